@@ -1,0 +1,201 @@
+"""Capture each module call of one forward pass and the gradient w.r.t. its outputs.
+
+The cockpit's protocol runs the user's forward *before* ``with cockpit(step, ...)``, so the
+capture is armed between steps, and only before a step that needs per-sample statistics. While
+armed, one global forward hook (``torch.nn.modules.module.register_module_forward_hook``)
+records calls of the watched modules: nothing is ever attached to the model or its
+parameters, and on steps that need nothing no hook exists at all.
+
+Output gradients are taken with pre-hooks on the autograd nodes that produced each output
+(``grad_fn``, ``output_nr``), registered when the user's backward is about to run. A node
+pre-hook sees the gradient w.r.t. the tensor as the module returned it, even when a later
+in-place operation (``ReLU(inplace=True)``) has modified that tensor since, which a tensor hook
+registered afterwards would not.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+# A forward that is never backpropagated (e.g. an evaluation pass run with gradients enabled)
+# leaves calls that receive no gradient; keep at most this many root calls while armed.
+MAX_ROOT_CALLS = 8
+
+
+class _Shape:
+    """What is kept of an output once its gradient is hooked: shape, dtype, device."""
+
+    def __init__(self, t: Tensor):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+
+@dataclass
+class ModuleCall:
+    """One call of a watched module: its inputs, and (after backward) its output gradients.
+
+    ``batch_axis`` is the axis of the batch in the module's tensors (1 below a module with
+    ``batch_first=False``, else 0). ``grad_outputs`` has one entry per tensor in the flattened
+    output, None where no gradient arrived.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list[_Shape]
+    nodes: list
+    node_outputs: list[int]
+    batch_axis: int
+    input_versions: list[int]
+    grad_outputs: list[Tensor | None] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.grad_outputs = [None] * len(self.outputs)
+
+    @property
+    def received_gradient(self) -> bool:
+        return any(g is not None for g in self.grad_outputs)
+
+    def check_inputs_unchanged(self, name: str) -> None:
+        tensors = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, Tensor)]
+        for t, version in zip(tensors, self.input_versions, strict=True):
+            if t._version != version:
+                raise RuntimeError(
+                    f"The input of module '{name}' was modified in place after the module "
+                    "used it; its per-sample gradients cannot be computed. Replace the in-place "
+                    "operation on that tensor (e.g. `x += y` -> `x = x + y`)."
+                )
+
+
+def batch_axes(model: nn.Module) -> dict[nn.Module, int]:
+    """The batch axis of each module's tensors, inherited from the nearest ``batch_first``."""
+    axes: dict[nn.Module, int] = {}
+
+    def visit(module: nn.Module, inherited: int) -> None:
+        flag = getattr(module, "batch_first", None)
+        axis = inherited if not isinstance(flag, bool) else (0 if flag else 1)
+        axes.setdefault(module, axis)
+        for child in module.children():
+            visit(child, axis)
+
+    visit(model, 0)
+    return axes
+
+
+class Capture:
+    """Records the calls of ``modules`` during one forward, and their output gradients.
+
+    Lifecycle per step: ``arm()`` before the forward; ``disarm()`` once it is done;
+    ``record_gradients()`` before the backward; ``release()`` after using the calls.
+    """
+
+    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+        self.root = model
+        self._axes = batch_axes(model)
+        self._watched = set(modules) | {model}
+        self.calls: list[ModuleCall] = []
+        self._forward_handle: RemovableHandle | None = None
+        self._gradient_handles: list[RemovableHandle] = []
+
+    @property
+    def armed(self) -> bool:
+        return self._forward_handle is not None
+
+    def arm(self) -> None:
+        if self._forward_handle is None:
+            # The global hook holds the capture weakly: a capture that is dropped unarmed
+            # (its cockpit deleted) removes its hook when it is collected.
+            capture = weakref.ref(self)
+
+            def hook(module, args, kwargs, output):
+                alive = capture()
+                if alive is not None:
+                    alive._on_forward(module, args, kwargs, output)
+
+            self._forward_handle = torch.nn.modules.module.register_module_forward_hook(
+                hook, with_kwargs=True
+            )
+
+    def __del__(self):
+        self.disarm()
+
+    def disarm(self) -> None:
+        if self._forward_handle is not None:
+            self._forward_handle.remove()
+            self._forward_handle = None
+
+    def _on_forward(self, module, args, kwargs, output) -> None:
+        if module not in self._watched or not torch.is_grad_enabled():
+            return
+        if module is self.root:
+            roots = [i for i, c in enumerate(self.calls) if c.module is self.root]
+            if len(roots) >= MAX_ROOT_CALLS:  # drop the oldest forward's calls
+                self.calls = [c for c in self.calls[roots[0] + 1 :]]
+        outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        # The node that produced each output, taken now: a later in-place operation (ReLU with
+        # inplace=True) replaces the tensor's grad_fn.
+        nodes = [(t.grad_fn, t.output_nr) if t.grad_fn is not None else t for t in outputs]
+        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        self.calls.append(
+            ModuleCall(
+                module=module,
+                args=args,
+                kwargs=kwargs,
+                outputs=[_Shape(t) for t in outputs],
+                nodes=[n for n, t in zip(nodes, outputs) if t.requires_grad],
+                node_outputs=[i for i, t in enumerate(outputs) if t.requires_grad],
+                batch_axis=self._axes.get(module, 0),
+                input_versions=[t._version for t in inputs],
+            )
+        )
+
+    def record_gradients(self) -> None:
+        """Hook every captured output so that the next backward stores its gradient."""
+        for call in self.calls:
+            for i, node in zip(call.node_outputs, call.nodes, strict=True):
+                store = _storer(call, i)
+                if isinstance(node, Tensor):  # a leaf returned as it is
+                    self._gradient_handles.append(node.register_hook(store))
+                else:
+                    grad_fn, output_nr = node
+                    self._gradient_handles.append(
+                        grad_fn.register_prehook(_node_storer(store, output_nr))
+                    )
+
+    def stop_recording(self) -> None:
+        for handle in self._gradient_handles:
+            handle.remove()
+        self._gradient_handles = []
+
+    def release(self) -> None:
+        self.stop_recording()
+        self.calls = []
+
+    def calls_by_module(self) -> dict[nn.Module, list[ModuleCall]]:
+        """The calls that received a gradient, grouped by module in call order."""
+        grouped: dict[nn.Module, list[ModuleCall]] = defaultdict(list)
+        for call in self.calls:
+            if call.received_gradient:
+                grouped[call.module].append(call)
+        return dict(grouped)
+
+
+def _storer(call: ModuleCall, index: int):
+    def store(grad: Tensor | None) -> None:
+        if grad is not None:
+            call.grad_outputs[index] = grad.detach()
+
+    return store
+
+
+def _node_storer(store, output_nr: int):
+    def prehook(grad_outputs):
+        store(grad_outputs[output_nr])
+
+    return prehook

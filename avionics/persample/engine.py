@@ -1,0 +1,235 @@
+"""The per-sample engine: statistics of per-sample gradients from one captured step.
+
+For every tracked parameter it finds the module calls its gradient flows through:
+
+* the modules that register it (several when weights are tied, e.g. an LM head tied to the
+  token embedding), when they were called;
+* otherwise the nearest called ancestor, which *adopts* it: a parameter used directly in a
+  parent's forward (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
+  ``out_proj``; a vision transformer adds its position table in its own forward);
+* on the first step, and whenever the pattern of calls changes, the sum over samples of the
+  result is checked against autograd's gradient. A parameter whose check fails (it is also used
+  outside the modules that own it) is handled from then on by the root module's generic rule,
+  which covers every use in the forward.
+
+A parameter with one contribution gets its statistics from that rule's closed forms; one with
+several (tied weights, adopted parameters) is materialised in chunks, summed over its
+contributions, and reduced, because ||a + b||^2 is not ||a||^2 + ||b||^2.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.capture import Capture, ModuleCall
+from avionics.persample.request import Accumulator, Request, Statistics
+from avionics.persample.rules import rule_for
+from avionics.persample.rules.base import Rule, chunk_size
+
+# Relative tolerance of the check of summed per-sample gradients against autograd's.
+CHECK_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
+
+
+class PerSampleEngine:
+    """Per-sample statistics of ``params`` (parameters of ``model``), one step at a time."""
+
+    def __init__(self, model: nn.Module, params: list[Tensor]):
+        self.model, self.params = model, params
+        self._index = {id(p): k for k, p in enumerate(params)}
+        self._names = {m: name for name, m in model.named_modules()}
+        self._parent: dict[nn.Module, nn.Module] = {}
+        for m in self._names:
+            for child in m.children():
+                self._parent.setdefault(child, m)
+        # owners[k]: (module, attribute name) pairs that register parameter k
+        self.owners: list[list[tuple[nn.Module, str]]] = [[] for _ in params]
+        for m in self._names:
+            for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
+                if id(p) in self._index:
+                    self.owners[self._index[id(p)]].append((m, name))
+        self._from_root: set[int] = set()
+        self._checked_pattern: tuple | None = None
+
+    def capture(self) -> Capture:
+        """A capture watching every module that owns a tracked parameter, and its ancestors."""
+        watched = set()
+        for owners in self.owners:
+            for m, _ in owners:
+                while m is not None and m not in watched:
+                    watched.add(m)
+                    m = self._parent.get(m)
+        return Capture(self.model, sorted(watched, key=lambda m: self._names[m]))
+
+    # ----------------------------------------------------------------------------------------
+    def _relative_name(self, ancestor: nn.Module, module: nn.Module, name: str) -> str:
+        prefix, path = self._names[ancestor], self._names[module]
+        inner = path if prefix == "" else path[len(prefix) + 1 :]
+        return f"{inner}.{name}" if inner else name
+
+    def _contributions(self, calls: dict[nn.Module, list[ModuleCall]]):
+        """For each parameter index: the (module, name) pairs its per-sample gradient sums."""
+        result: list[list[tuple[nn.Module, str]]] = []
+        for k, owners in enumerate(self.owners):
+            if k in self._from_root:
+                result.append([(self.model, self._relative_name(self.model, *owners[0]))])
+                continue
+            pairs: dict[nn.Module, str] = {}
+            for module, name in owners:
+                host = module
+                while host is not None and host not in calls:
+                    host = self._parent.get(host)
+                if host is not None:
+                    pairs.setdefault(host, self._relative_name(host, module, name))
+            result.append(list(pairs.items()))
+        return result
+
+    def _rules(self, calls, contributions, n: int, scale: float) -> dict[nn.Module, Rule]:
+        names: dict[nn.Module, list[str]] = defaultdict(list)
+        for pairs in contributions:
+            for module, name in pairs:
+                if name not in names[module]:
+                    names[module].append(name)
+        rules = {}
+        for module, module_names in names.items():
+            for call in calls[module]:
+                call.check_inputs_unchanged(self._names[module] or "the model")
+            rules[module] = _build_rule(module, calls[module], module_names, n, scale, self)
+        return rules
+
+    # ----------------------------------------------------------------------------------------
+    def statistics(
+        self,
+        calls: dict[nn.Module, list[ModuleCall]],
+        request: Request,
+        directions: dict[str, list[Tensor]],
+        n: int,
+        scale: float,
+    ) -> Statistics:
+        """The request's statistics of g_n = scale * (captured sample-n gradient)."""
+        with torch.no_grad():
+            contributions = self._contributions(calls)
+            rules = self._rules(calls, contributions, n, scale)
+            per_param: list[dict] = [{} for _ in self.params]
+            empty = Request()
+            for module, rule in rules.items():
+                requests, dirs, indices = [], [], []
+                for name in rule.names:
+                    k = self._index[id(rule.module.get_parameter(name))]
+                    single = len(contributions[k]) == 1
+                    requests.append(request if single else empty)
+                    dirs.append(
+                        {d: directions[d][k] for d in request.directions} if single else {}
+                    )
+                    indices.append(k)
+                for k, result in zip(indices, rule.statistics(_visitors_at(requests, indices),
+                                                              dirs), strict=True):  # fmt: skip
+                    if len(contributions[k]) == 1:
+                        per_param[k] = result
+            for k, pairs in enumerate(contributions):
+                if len(pairs) > 1:
+                    per_param[k] = self._summed_statistics(k, pairs, rules, request, directions, n)
+                elif not pairs:
+                    per_param[k] = _zero_statistics(self.params[k], request, directions, n, k)
+        return _collect(per_param, request)
+
+    def _summed_statistics(self, k, pairs, rules, request, directions, n) -> dict:
+        p = self.params[k]
+        acc = Accumulator(request, {d: directions[d][k] for d in request.directions}, k)
+        step = chunk_size(n, p.numel(), p.element_size())
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            chunk = 0
+            for module, name in pairs:
+                rule = rules[module]
+                chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
+            acc.add(chunk)
+        return acc.result()
+
+    # ----------------------------------------------------------------------------------------
+    def needs_check(self, calls: dict[nn.Module, list[ModuleCall]]) -> bool:
+        return self._pattern(calls) != self._checked_pattern
+
+    def _pattern(self, calls) -> tuple:
+        return tuple(sorted((self._names[m], len(c)) for m, c in calls.items()))
+
+    def check(self, calls, gradients: list[Tensor | None], n: int, scale: float) -> None:
+        """Compare sum_n g_n with autograd's gradient (times ``scale``); reroute mismatches.
+
+        ``gradients[k]`` is the gradient parameter k received in the captured backward.
+        """
+        with torch.no_grad():
+            contributions = self._contributions(calls)
+            rules = self._rules(calls, contributions, n, scale)
+            totals = {m: rule.total() for m, rule in rules.items()}
+            for k, pairs in enumerate(contributions):
+                actual = gradients[k]
+                if actual is None or k in self._from_root:
+                    continue
+                ours = torch.zeros_like(actual)
+                for module, name in pairs:
+                    ours += totals[module][rules[module].names.index(name)]
+                expected = actual * scale
+                rtol = CHECK_RTOL.get(actual.dtype, 1e-2)
+                if (ours - expected).norm() > rtol * expected.norm() + 1e-30:
+                    if self.model not in calls:
+                        raise RuntimeError(
+                            f"Parameter '{self._param_name(k)}' receives gradient from uses "
+                            "outside the modules that own it, and the model's own forward was "
+                            "not captured. Call the model (not its submodules) in the forward."
+                        )
+                    self._from_root.add(k)
+        self._checked_pattern = self._pattern(calls)
+
+    def _param_name(self, k: int) -> str:
+        module, name = self.owners[k][0]
+        prefix = self._names[module]
+        return f"{prefix}.{name}" if prefix else name
+
+
+def _build_rule(module, calls, names, n, scale, engine) -> Rule:
+    try:
+        return rule_for(module, names)(module, calls, names, n, scale)
+    except NotImplementedError as error:
+        raise NotImplementedError(
+            f"Module '{engine._names[module] or 'the model'}' ({type(module).__name__}): {error}"
+        ) from error
+
+
+def _visitors_at(requests: list[Request], indices: list[int]) -> list[Request]:
+    """Visitors are called with the engine's parameter index, not the rule's."""
+    return [
+        r if not r.visitors else _reindexed(r, k) for r, k in zip(requests, indices, strict=True)
+    ]
+
+
+def _reindexed(request: Request, k: int) -> Request:
+    def at(visit):
+        return lambda _, chunk: visit(k, chunk)
+
+    return Request(
+        sq_norms=request.sq_norms,
+        sum_sq=request.sum_sq,
+        directions=request.directions,
+        visitors=tuple(at(v) for v in request.visitors),
+    )
+
+
+def _zero_statistics(p: Tensor, request: Request, directions, n: int, k: int) -> dict:
+    """A parameter no gradient reached: every g_n is zero."""
+    acc = Accumulator(request, {d: directions[d][k] for d in request.directions}, k)
+    acc.add(p.new_zeros(n, *p.shape))
+    return acc.result()
+
+
+def _collect(per_param: list[dict], request: Request) -> Statistics:
+    stats = Statistics()
+    if request.sq_norms:
+        stats.sq_norms = [r["sq_norms"] for r in per_param]
+    if request.sum_sq:
+        stats.sum_sq = [r["sum_sq"] for r in per_param]
+    for d in request.directions:
+        stats.projections[d] = [r["projections"][d] for r in per_param]
+    return stats

@@ -1,0 +1,90 @@
+"""What quantities ask of the per-sample gradients, and what the engine hands back.
+
+Notation (SPEC section 2): g_n is the gradient of the loss l_n of sample n, for one parameter
+at a time; the engine never holds all g_n of the network at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+# visitor(parameter_index, chunk): chunk[i] = g_{start + i} for a run of consecutive samples.
+Visitor = Callable[[int, Tensor], None]
+
+
+@dataclass(frozen=True)
+class Request:
+    """The per-sample statistics one step needs; requests merge with ``|``.
+
+    * ``sq_norms``: ||g_n||^2 per parameter, shape [N].
+    * ``sum_sq``: sum_n g_{n,d}^2 per parameter, shaped like the parameter.
+    * ``directions``: names of directions v (one tensor per parameter, supplied at compute
+      time); for each, the projections g_n . v per parameter, shape [N].
+    * ``visitors``: called with chunks of materialised per-sample gradients (histograms).
+    """
+
+    sq_norms: bool = False
+    sum_sq: bool = False
+    directions: frozenset[str] = frozenset()
+    visitors: tuple[Visitor, ...] = ()
+
+    def __or__(self, other: Request) -> Request:
+        return Request(
+            sq_norms=self.sq_norms or other.sq_norms,
+            sum_sq=self.sum_sq or other.sum_sq,
+            directions=self.directions | other.directions,
+            visitors=self.visitors + tuple(v for v in other.visitors if v not in self.visitors),
+        )
+
+    def __bool__(self) -> bool:
+        return self.sq_norms or self.sum_sq or bool(self.directions) or bool(self.visitors)
+
+
+@dataclass
+class Statistics:
+    """Per-parameter results of a :class:`Request` (lists follow the parameter order)."""
+
+    sq_norms: list[Tensor] | None = None
+    sum_sq: list[Tensor] | None = None
+    projections: dict[str, list[Tensor]] = field(default_factory=dict)
+
+
+class Accumulator:
+    """Statistics of one parameter from chunks of its materialised per-sample gradients."""
+
+    def __init__(self, request: Request, directions: dict[str, Tensor], index: int):
+        self.request, self.directions, self.index = request, directions, index
+        self.sq_norms: list[Tensor] = []
+        self.projections: dict[str, list[Tensor]] = {name: [] for name in directions}
+        self.sum_sq: Tensor | None = None
+
+    def add(self, chunk: Tensor) -> None:
+        flat = chunk.reshape(chunk.shape[0], -1)
+        if self.request.sq_norms:
+            self.sq_norms.append(flat.pow(2).sum(1))
+        for name, v in self.directions.items():
+            self.projections[name].append(flat @ v.flatten())
+        if self.request.sum_sq:
+            s = chunk.pow(2).sum(0)
+            self.sum_sq = s if self.sum_sq is None else self.sum_sq + s
+        for visit in self.request.visitors:
+            visit(self.index, chunk)
+
+    def result(self) -> dict:
+        out: dict = {}
+        if self.request.sq_norms:
+            out["sq_norms"] = _cat(self.sq_norms)
+        if self.directions:
+            out["projections"] = {k: _cat(v) for k, v in self.projections.items()}
+        if self.request.sum_sq:
+            out["sum_sq"] = self.sum_sq
+        return out
+
+
+def _cat(chunks: list[Tensor]) -> Tensor:
+    import torch
+
+    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]

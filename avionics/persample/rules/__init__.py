@@ -1,0 +1,39 @@
+"""Per-layer rules of the per-sample engine: which rule handles which module."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from avionics.persample.rules.base import Rule
+from avionics.persample.rules.conv import ConvRule
+from avionics.persample.rules.embedding import EmbeddingRule
+from avionics.persample.rules.generic import GenericRule
+from avionics.persample.rules.linear import LinearRule
+from avionics.persample.rules.normalization import NormalizationRule
+
+# A closed-form rule applies when the module runs that class's own forward.
+CLOSED_FORM_RULES: list[tuple[type[nn.Module], type[Rule]]] = [
+    (nn.Linear, LinearRule),
+    (nn.Conv1d, ConvRule),
+    (nn.Conv2d, ConvRule),
+    (nn.Conv3d, ConvRule),
+    (nn.Embedding, EmbeddingRule),
+    (nn.LayerNorm, NormalizationRule),
+    (nn.RMSNorm, NormalizationRule),
+    (nn.GroupNorm, NormalizationRule),
+    (nn.BatchNorm1d, NormalizationRule),
+    (nn.BatchNorm2d, NormalizationRule),
+    (nn.BatchNorm3d, NormalizationRule),
+]
+
+
+def rule_for(module: nn.Module, names: list[str]) -> type[Rule]:
+    """The rule for the parameters ``names`` of ``module`` (its own or adopted ones)."""
+    if all(name in ("weight", "bias") for name in names):
+        for cls, rule in CLOSED_FORM_RULES:
+            if isinstance(module, cls) and type(module).forward is cls.forward:
+                return rule
+    return GenericRule
+
+
+__all__ = ["Rule", "GenericRule", "rule_for"]

@@ -1,0 +1,87 @@
+"""The protocol of a per-layer rule.
+
+A rule turns the captured calls of one module (inputs x and output gradients delta, summed
+over the calls of one forward) into per-sample gradients g_n of a subset of the parameters,
+where g_n = scale * (the sample-n part of the backpropagated gradient), scale = N for a
+mean-reduced loss and 1 for a sum. Every rule can *materialise* g_n for a run of samples;
+rules with closed forms override :meth:`Rule.statistics` to avoid materialising.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.capture import ModuleCall
+from avionics.persample.request import Accumulator, Request
+
+# Bytes one materialised chunk of per-sample gradients may take.
+CHUNK_BYTES = 32 * 2**20
+
+
+def chunk_size(n: int, numel: int, element_size: int) -> int:
+    """How many samples' gradients of ``numel`` elements fit in :data:`CHUNK_BYTES`."""
+    return max(1, min(n, CHUNK_BYTES // max(1, numel * element_size)))
+
+
+class Rule:
+    """Per-sample gradients of ``names`` (parameters reached from ``module``) from ``calls``."""
+
+    def __init__(self, module: nn.Module, calls: list[ModuleCall], names: list[str], n: int,
+                 scale: float):  # fmt: skip
+        self.module, self.calls, self.names, self.n, self.scale = module, calls, names, n, scale
+        self.params = [module.get_parameter(name) for name in names]
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        """[g_start, ..., g_{stop-1}] for each parameter: a list of [stop-start, *p.shape]."""
+        raise NotImplementedError
+
+    def chunks(self):
+        """Yield (start, per-parameter chunks) over all samples, within the memory budget."""
+        numel = sum(p.numel() for p in self.params)
+        step = chunk_size(self.n, numel, self.params[0].element_size())
+        for start in range(0, self.n, step):
+            yield start, self.materialize(start, min(self.n, start + step))
+
+    def statistics(self, requests: list[Request], directions: list[dict[str, Tensor]]) -> list[dict]:
+        """Each parameter's requested statistics (see :class:`Accumulator` for the keys).
+
+        ``requests[k]`` and ``directions[k]`` belong to parameter k; ``index`` of visitors is k.
+        """
+        accumulators = [
+            Accumulator(r, d, index=k) for k, (r, d) in enumerate(zip(requests, directions))
+        ]
+        if not any(requests):
+            return [acc.result() for acc in accumulators]
+        for _, chunk in self.chunks():
+            for acc, c in zip(accumulators, chunk, strict=True):
+                acc.add(c)
+        return [acc.result() for acc in accumulators]
+
+    def total(self) -> list[Tensor]:
+        """sum_n g_n per parameter (checked against autograd's gradient)."""
+        totals = [torch.zeros_like(p) for p in self.params]
+        for _, chunk in self.chunks():
+            for t, c in zip(totals, chunk, strict=True):
+                t += c.sum(0)
+        return totals
+
+
+def batch_first(t: Tensor, axis: int, n: int, where: str) -> Tensor:
+    """Move the batch axis of ``t`` to the front, checking it has ``n`` entries."""
+    if t.dim() <= axis or t.shape[axis] != n:
+        raise RuntimeError(
+            f"{where}: expected the batch ({n} samples) on axis {axis} of a tensor of shape "
+            f"{tuple(t.shape)}. Per-sample statistics need every sample on one axis of each "
+            "layer's input and output; set `batch_first` on the module if it has that option."
+        )
+    return t.movedim(axis, 0)
+
+
+def output_gradient(call: ModuleCall, index: int = 0) -> Tensor:
+    """The gradient w.r.t. output ``index`` of a call (zeros where none arrived)."""
+    g = call.grad_outputs[index]
+    if g is None:
+        meta = call.outputs[index]
+        g = torch.zeros(meta.shape, dtype=meta.dtype, device=meta.device)
+    return g

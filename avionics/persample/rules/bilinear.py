@@ -1,0 +1,111 @@
+"""Closed forms for layers whose weight gradient is a sum of outer products.
+
+Linear and convolution layers (after unfolding) both have, for sample n and group g,
+
+    G_{n,g} = sum_t delta_{n,g,t} x_{n,g,t}^T          (x: [N, G, T, I], delta: [N, G, T, O])
+
+with t over the shared axes (sequence positions, spatial locations). Then
+
+    ||G_n||^2    = sum_{g,t,s} (delta_t . delta_s)(x_t . x_s)        (Gram form, cost N G T^2 (I+O))
+                 = sum_g ||delta_{n,g}||^2 ||x_{n,g}||^2              (T = 1, cost N G (I+O))
+    G_n . V      = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t})          (cost N G T I O)
+    sum_n G_n^2  = sum_n (delta_n^2)(x_n^2)^T                         (T = 1 only)
+
+and materialising G_n costs N G T I O. :func:`bilinear_statistics` picks the cheaper path.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from avionics.persample.request import Accumulator, Request
+from avionics.persample.rules.base import Rule, chunk_size
+
+
+class Bilinear:
+    """Per-sample gradients G_n = sum_t delta_t x_t^T of a weight of shape ``weight_shape``."""
+
+    def __init__(self, x: Tensor, delta: Tensor, weight_shape: torch.Size):
+        self.x, self.delta, self.weight_shape = x, delta, weight_shape
+        self.n, self.groups, self.t, self.i = x.shape
+        self.o = delta.shape[-1]
+
+    def materialize(self, start: int, stop: int) -> Tensor:
+        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], self.x[start:stop])
+        return g.reshape(stop - start, *self.weight_shape)
+
+    def _uses_gram(self) -> bool:
+        gram = self.t * self.t * (self.i + self.o)
+        return gram < self.t * self.i * self.o
+
+    def statistics(self, request: Request, directions: dict[str, Tensor], index: int) -> dict:
+        materialize = bool(request.visitors) or (request.sum_sq and self.t > 1)
+        materialize |= request.sq_norms and self.t > 1 and not self._uses_gram()
+        if materialize:
+            acc = Accumulator(request, directions, index)
+            step = chunk_size(self.n, self.groups * self.i * self.o, self.x.element_size())
+            for start in range(0, self.n, step):
+                acc.add(self.materialize(start, min(self.n, start + step)))
+            return acc.result()
+        x, d = self.x, self.delta
+        out: dict = {}
+        if request.sq_norms:
+            if self.t == 1:
+                out["sq_norms"] = (d.pow(2).sum(-1) * x.pow(2).sum(-1)).sum((1, 2))
+            else:
+                dd = torch.einsum("ngto,ngso->ngts", d, d)
+                xx = torch.einsum("ngti,ngsi->ngts", x, x)
+                out["sq_norms"] = (dd * xx).sum((1, 2, 3))
+        if directions:
+            out["projections"] = {}
+            for name, v in directions.items():
+                vg = v.reshape(self.groups, self.o, self.i)
+                out["projections"][name] = torch.einsum("ngti,goi,ngto->n", x, vg, d)
+        if request.sum_sq:  # t == 1 here
+            s = torch.einsum("ngo,ngi->goi", d[:, :, 0].pow(2), x[:, :, 0].pow(2))
+            out["sum_sq"] = s.reshape(self.weight_shape)
+        return out
+
+    def total(self) -> Tensor:
+        return torch.einsum("ngto,ngti->goi", self.delta, self.x).reshape(self.weight_shape)
+
+
+class BilinearRule(Rule):
+    """A layer with a bilinear weight gradient and an optional bias (grad b = sum_t delta_t).
+
+    Subclasses set ``self.x`` [N, G, T, I] and ``self.delta`` [N, G, T, O] (already scaled).
+    """
+
+    x: Tensor
+    delta: Tensor
+
+    def _weight(self) -> Bilinear:
+        return Bilinear(self.x, self.delta, self.module.weight.shape)
+
+    def _bias(self) -> Tensor:
+        return self.delta.sum(2).flatten(1)
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        weight = self._weight()
+        return [
+            weight.materialize(start, stop) if name == "weight" else self._bias()[start:stop]
+            for name in self.names
+        ]
+
+    def statistics(self, requests: list[Request], directions) -> list[dict]:
+        results = []
+        for k, name in enumerate(self.names):
+            if name == "weight":
+                results.append(self._weight().statistics(requests[k], directions[k], k))
+            else:
+                acc = Accumulator(requests[k], directions[k], k)
+                acc.add(self._bias())
+                results.append(acc.result())
+        return results
+
+    def total(self) -> list[Tensor]:
+        return [
+            self._weight().total() if name == "weight" else self._bias().sum(0)
+            for name in self.names
+        ]

@@ -1,0 +1,76 @@
+"""nn.Embedding: y_t = W[i_t].
+
+Per sample n the gradient is sparse: row r of G_n is sum_{t: i_{n,t} = r} delta_{n,t}, and
+zero for the padding index. Summing delta over equal (n, r) pairs once gives every non-zero
+row of every G_n, so all statistics cost O(N T D) and nothing of size N x V x D is built
+unless materialisation is asked for.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.request import Accumulator, Request
+from avionics.persample.rules.base import Rule, batch_first, output_gradient
+
+
+class EmbeddingRule(Rule):
+    def __init__(self, module: nn.Embedding, calls, names, n, scale):
+        super().__init__(module, calls, names, n, scale)
+        if module.scale_grad_by_freq:
+            raise NotImplementedError(
+                "nn.Embedding with scale_grad_by_freq=True scales each gradient row by its "
+                "frequency in the whole batch, which couples the samples: per-sample "
+                "gradients are not defined. Use scale_grad_by_freq=False."
+            )
+        idx, ds = [], []
+        for call in calls:
+            i = batch_first(call.args[0], call.batch_axis, n, "Embedding input")
+            d = batch_first(output_gradient(call), call.batch_axis, n, "Embedding output")
+            idx.append(i.reshape(n, -1))
+            ds.append(d.reshape(n, -1, d.shape[-1]))
+        index, delta = torch.cat(idx, 1), torch.cat(ds, 1) * scale
+        if module.padding_idx is not None:
+            delta = delta.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
+        vocab = module.num_embeddings
+        sample = torch.arange(n, device=index.device).unsqueeze(1).expand_as(index)
+        keys, inverse = torch.unique((sample * vocab + index).flatten(), return_inverse=True)
+        # rows[u] = the gradient row of (sample, token) pair u, summed over its positions
+        self.rows = delta.new_zeros(len(keys), delta.shape[-1]).index_add_(
+            0, inverse, delta.flatten(0, 1)
+        )
+        self.row_sample, self.row_token = keys // vocab, keys % vocab
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        weight = self.module.weight
+        out = self.rows.new_zeros(stop - start, *weight.shape)
+        keep = (self.row_sample >= start) & (self.row_sample < stop)
+        out.index_put_(
+            (self.row_sample[keep] - start, self.row_token[keep]), self.rows[keep], accumulate=True
+        )
+        return [out]
+
+    def statistics(self, requests: list[Request], directions) -> list[dict]:
+        (request,) = requests
+        if request.visitors:
+            return super().statistics(requests, directions)
+        out: dict = {}
+        n, rows = self.n, self.rows
+        if request.sq_norms:
+            out["sq_norms"] = rows.new_zeros(n).index_add_(0, self.row_sample, rows.pow(2).sum(1))
+        if directions[0]:
+            out["projections"] = {
+                name: rows.new_zeros(n).index_add_(
+                    0, self.row_sample, (rows * v[self.row_token]).sum(1)
+                )
+                for name, v in directions[0].items()
+            }
+        if request.sum_sq:
+            out["sum_sq"] = torch.zeros_like(self.module.weight).index_add_(
+                0, self.row_token, rows.pow(2)
+            )
+        return [out]
+
+    def total(self) -> list[Tensor]:
+        return [torch.zeros_like(self.module.weight).index_add_(0, self.row_token, self.rows)]

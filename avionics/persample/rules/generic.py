@@ -1,0 +1,99 @@
+"""Any other module that owns parameters: torch.func on the module's own forward.
+
+For sample n, with the module's captured inputs x_n and output gradients delta_n,
+
+    g_n = scale * (d module(x_n; theta) / d theta)^T delta_n,
+
+one vector-Jacobian product of the module alone (its children run inside it with their
+parameters held fixed). ``torch.func.vmap`` batches the products over samples; modules vmap
+cannot batch (recurrent layers) take one product per sample instead: slower, equally exact.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.func import functional_call, vjp, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import _pytree as pytree
+
+from avionics.persample.rules.base import Rule, output_gradient
+
+# Modules whose forward vmap could not batch: the per-sample loop is used for them.
+_UNBATCHABLE: set[type] = set()
+
+
+class GenericRule(Rule):
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        totals = None
+        for call in self.calls:
+            grads = self._call_gradients(call, start, stop)
+            totals = grads if totals is None else [t + g for t, g in zip(totals, grads)]
+        return totals
+
+    def _call_gradients(self, call, start: int, stop: int) -> list[Tensor]:
+        axis, n = call.batch_axis, self.n
+        leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
+        batched = [
+            isinstance(t, Tensor) and t.dim() > axis and t.shape[axis] == n for t in leaves
+        ]
+        leaves = [
+            t.detach().narrow(axis, start, stop - start) if b else _detach(t)
+            for t, b in zip(leaves, batched, strict=True)
+        ]
+        deltas, delta_axes = [], []
+        for i in range(len(call.outputs)):
+            d = output_gradient(call, i)
+            a = _batch_axis_of(d, axis, n)
+            deltas.append(d.narrow(a, start, stop - start) * self.scale)
+            delta_axes.append(a)
+        params = {name: p.detach() for name, p in zip(self.names, self.params, strict=True)}
+        module = self.module
+
+        def sample_gradient(sample_leaves, sample_deltas):
+            def forward(theta):
+                restored = [
+                    t.unsqueeze(axis) if b else t
+                    for t, b in zip(sample_leaves, batched, strict=True)
+                ]
+                args, kwargs = pytree.tree_unflatten(restored, spec)
+                out = functional_call(module, theta, args, kwargs, strict=False)
+                return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+
+            _, pull = vjp(forward, params)
+            cotangents = [d.unsqueeze(a) for d, a in zip(sample_deltas, delta_axes, strict=True)]
+            (grads,) = pull(cotangents)
+            return [grads[name] for name in self.names]
+
+        in_dims = ([axis if b else None for b in batched], delta_axes)
+        if type(module) not in _UNBATCHABLE:
+            try:
+                # vmap has batching rules for the math attention kernel only
+                with sdpa_kernel(SDPBackend.MATH):
+                    return vmap(sample_gradient, in_dims=in_dims)(leaves, deltas)
+            except (RuntimeError, NotImplementedError, ValueError):
+                _UNBATCHABLE.add(type(module))
+        rows = [
+            sample_gradient(
+                [t.select(axis, i) if b else t for t, b in zip(leaves, batched, strict=True)],
+                [d.select(a, i) for d, a in zip(deltas, delta_axes, strict=True)],
+            )
+            for i in range(stop - start)
+        ]
+        return [torch.stack(per_param) for per_param in zip(*rows, strict=True)]
+
+
+def _detach(leaf):
+    return leaf.detach() if isinstance(leaf, Tensor) else leaf
+
+
+def _batch_axis_of(t: Tensor, preferred: int, n: int) -> int:
+    if t.dim() > preferred and t.shape[preferred] == n:
+        return preferred
+    for axis, size in enumerate(t.shape):
+        if size == n:
+            return axis
+    raise RuntimeError(
+        f"An output of shape {tuple(t.shape)} has no axis with the batch size {n}; "
+        "per-sample gradients need the batch on one axis of every output."
+    )

@@ -1,0 +1,91 @@
+"""Normalisation layers: y = x_hat * w + b, elementwise in the normalised features.
+
+Per sample n: grad w = sum over the other axes of delta * x_hat, grad b = the same sum of
+delta, where x_hat is recomputed from the captured input exactly as the layer computes it:
+
+* LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over the last ``normalized_shape`` axes.
+* RMSNorm: x_hat = x / sqrt(mean(x^2) + eps) over the same axes.
+* GroupNorm: mean and var per sample and group of channels; weights per channel.
+* BatchNorm: running statistics in eval mode. In train mode the batch statistics couple the
+  samples; what is computed is each sample's share delta_n * x_hat_n of the batch gradient.
+
+These gradients are small (the size of the normalised features), so they are materialised
+for all samples at once.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.rules.base import Rule, batch_first, output_gradient
+
+_warned_batchnorm_train = False
+
+
+def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
+    """x_hat, and how many leading axes (batch included) are summed over."""
+    if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        if isinstance(module, nn.LayerNorm):
+            var, mean = torch.var_mean(x, dims, keepdim=True, correction=0)
+            x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+        else:
+            eps = torch.finfo(x.dtype).eps if module.eps is None else module.eps
+            x_hat = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
+        return x_hat, x.dim() - len(module.normalized_shape)
+    if isinstance(module, nn.GroupNorm):
+        grouped = x.reshape(x.shape[0], module.num_groups, -1)
+        var, mean = torch.var_mean(grouped, -1, keepdim=True, correction=0)
+        x_hat = ((grouped - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+        return x_hat.movedim(1, -1), x.dim() - 1
+    # BatchNorm: channels on axis 1
+    if module.training or module.running_mean is None:
+        _warn_batchnorm_train()
+        dims = tuple(d for d in range(x.dim()) if d != 1)
+        var, mean = torch.var_mean(x, dims, keepdim=True, correction=0)
+    else:
+        shape = [1, -1] + [1] * (x.dim() - 2)
+        mean, var = module.running_mean.reshape(shape), module.running_var.reshape(shape)
+    x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+    return x_hat.movedim(1, -1), x.dim() - 1
+
+
+def _warn_batchnorm_train() -> None:
+    global _warned_batchnorm_train
+    if not _warned_batchnorm_train:
+        _warned_batchnorm_train = True
+        warnings.warn(
+            "BatchNorm in train mode normalises with statistics of the whole batch, so "
+            "per-sample gradients are not defined. avionics computes each sample's share of "
+            "the batch gradient (the contribution of sample n in backpropagation), which sums "
+            "to the true gradient. Put BatchNorm layers in eval mode for exact per-sample "
+            "statistics.",
+            stacklevel=2,
+        )
+
+
+class NormalizationRule(Rule):
+    def __init__(self, module, calls, names, n, scale):
+        super().__init__(module, calls, names, n, scale)
+        grads = {name: 0 for name in names}
+        for call in calls:
+            x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
+            d = output_gradient(call)
+            d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output") * scale
+            x_hat, lead = _normalized(module, x)
+            if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
+                d = d.movedim(1, -1)
+            summed = tuple(range(1, lead))
+            for name in names:
+                g = d * x_hat if name == "weight" else d
+                grads[name] = grads[name] + (g.sum(summed) if summed else g)
+        self.grads = [grads[name] for name in names]
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        return [g[start:stop] for g in self.grads]
+
+    def chunks(self):
+        yield 0, self.grads

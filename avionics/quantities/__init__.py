@@ -1,0 +1,28 @@
+"""The cockpit's instruments, one small module per idea (see SPEC section 2)."""
+
+from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.clock import Time
+from avionics.quantities.distance import Distance
+from avionics.quantities.grad_norm import GradNorm
+from avionics.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
+from avionics.quantities.loss import Loss
+from avionics.quantities.parameters import Parameters
+from avionics.quantities.update_size import UpdateSize
+from avionics.quantities.variance import CABS, EarlyStopping, MeanGSNR
+
+__all__ = [
+    "CABS",
+    "Distance",
+    "EarlyStopping",
+    "GradNorm",
+    "InnerTest",
+    "Loss",
+    "MeanGSNR",
+    "NormTest",
+    "OrthoTest",
+    "Parameters",
+    "Quantity",
+    "StepData",
+    "Time",
+    "UpdateSize",
+]

@@ -1,0 +1,14 @@
+"""Distance: ||theta_t - theta_0|| per parameter, theta_0 = parameters at the first tracked step."""
+
+from avionics.quantities.base import Quantity, StepData, per_parameter_norms
+
+
+class Distance(Quantity):
+    def __init__(self, schedule=None):
+        super().__init__(schedule)
+        self.initial = None
+
+    def compute(self, data: StepData):
+        if self.initial is None:
+            self.initial = [p.detach().clone() for p in data.params]
+        return {data.step: per_parameter_norms([p - p0 for p, p0 in zip(data.params, self.initial)])}

@@ -1,0 +1,60 @@
+"""The gradient-noise tests of Bollapragada et al. (2018) and Byrd et al. (2012).
+
+With per-sample gradients g_n, their mean g and N samples (sums over all tracked parameters):
+
+    NormTest  = sqrt( sum_n ||g_n - g||^2 / ((N-1) N ||g||^2) )
+    InnerTest = sqrt( sum_n (g_n . g - ||g||^2)^2 / ((N-1) N ||g||^4) )
+    OrthoTest = sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) )
+
+computed from ||g_n||^2 and g_n . g alone, since sum_n ||g_n - g||^2 = sum_n ||g_n||^2 - N||g||^2
+and ||g_n - (g_n.g/||g||^2) g||^2 = ||g_n||^2 - (g_n . g)^2 / ||g||^2.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from avionics.persample import Request
+from avionics.quantities.base import Quantity, StepData, global_norm_squared
+
+PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
+
+
+class _GradientTest(Quantity):
+    info_keys = PER_SAMPLE_KEYS
+
+    def request(self, step: int) -> Request:
+        return Request(sq_norms=True, directions=frozenset({"grad"}))
+
+    def compute(self, data: StepData):
+        n = data.batch_size
+        if n < 2:
+            warnings.warn(f"{self.name} needs a batch of at least 2 samples; stored nan.",
+                          stacklevel=2)  # fmt: skip
+            return {data.step: torch.tensor(float("nan"))}
+        stats = data.statistics
+        sq_norms = sum(stats.sq_norms)  # ||g_n||^2, [N]
+        projections = sum(stats.projections["grad"])  # g_n . g, [N]
+        g_sq = global_norm_squared(data.mean_grad)  # ||g||^2
+        return {data.step: self.statistic(sq_norms, projections, g_sq, n)}
+
+
+class NormTest(_GradientTest):
+    @staticmethod
+    def statistic(sq_norms, projections, g_sq, n):
+        return ((sq_norms.sum() - n * g_sq) / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
+
+
+class InnerTest(_GradientTest):
+    @staticmethod
+    def statistic(sq_norms, projections, g_sq, n):
+        return ((projections - g_sq).pow(2).sum() / ((n - 1) * n * g_sq.pow(2))).sqrt()
+
+
+class OrthoTest(_GradientTest):
+    @staticmethod
+    def statistic(sq_norms, projections, g_sq, n):
+        orthogonal = (sq_norms - projections.pow(2) / g_sq).sum()
+        return (orthogonal / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()

@@ -1,0 +1,67 @@
+"""Quantities built on the per-coordinate second moment of the per-sample gradients.
+
+With m2_d = mean_n g_{n,d}^2 (from sum_n g_{n,d}^2) and g_d = mean_n g_{n,d}:
+
+    MeanGSNR      = mean_d g_d^2 / (m2_d - g_d^2 + eps),               eps = 1e-5
+    CABS          = lr * sum_d (m2_d - g_d^2) / L                      (plain SGD)
+    EarlyStopping = 1 - N * mean_d g_d^2 / (s_d^2 + eps),              eps = 1e-5  (plain SGD)
+
+where s_d^2 = N (m2_d - g_d^2) / (N - 1) is the unbiased variance. MeanGSNR is the gradient
+signal-to-noise ratio of Liu et al. (2020); CABS the coupled adaptive batch size of Balles et
+al. (2017); EarlyStopping the evidence-based criterion of Mahsereci et al. (2017): stop when
+it is positive.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from avionics.persample import Request
+from avionics.quantities.base import Quantity, StepData, require_plain_sgd
+from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
+
+
+def _flat(tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+class _SecondMoment(Quantity):
+    info_keys = PER_SAMPLE_KEYS
+
+    def request(self, step: int) -> Request:
+        return Request(sum_sq=True)
+
+    def moments(self, data: StepData):
+        """(g_d^2, biased variance m2_d - g_d^2), flattened over all parameters."""
+        g_sq = _flat(data.mean_grad).pow(2)
+        m2 = _flat(data.statistics.sum_sq) / data.batch_size
+        return g_sq, m2 - g_sq
+
+
+class MeanGSNR(_SecondMoment):
+    eps = 1e-5
+
+    def compute(self, data: StepData):
+        g_sq, variance = self.moments(data)
+        return {data.step: (g_sq / (variance + self.eps)).mean()}
+
+
+class CABS(_SecondMoment):
+    info_keys = PER_SAMPLE_KEYS + ("optimizer",)
+
+    def compute(self, data: StepData):
+        lr = require_plain_sgd(self, data.optimizer)
+        _, variance = self.moments(data)
+        return {data.step: lr * variance.sum() / data.loss}
+
+
+class EarlyStopping(_SecondMoment):
+    info_keys = PER_SAMPLE_KEYS + ("optimizer",)
+    eps = 1e-5
+
+    def compute(self, data: StepData):
+        require_plain_sgd(self, data.optimizer)
+        n = data.batch_size
+        g_sq, variance = self.moments(data)
+        unbiased = variance * n / (n - 1) if n > 1 else torch.full_like(variance, float("nan"))
+        return {data.step: 1 - n * (g_sq / (unbiased + self.eps)).mean()}
