@@ -84,7 +84,11 @@ class Cockpit:
     def __call__(self, step: int, info: dict):
         active = [q for q in self.quantities if q.is_active(step)]
         if not active:
+            if self._capture is not None:  # armed before the first step, not needed by it
+                self._capture.disarm()
+                self._capture = None
             yield self
+            self._arm_if_needed(next_step=step + 1)
             return
         request = Request()
         for q in active:
@@ -119,8 +123,8 @@ class Cockpit:
                 self._compute(step, info, active, request, capture, gradients, reduction, n)
             else:
                 warnings.warn(
-                    f"Step {step}: the loss is {float(info['loss'])}; recorded it and skipped "
-                    "the other quantities at this step.",
+                    f"Step {step}: the loss is {float(info['loss'].detach())}; recorded it and "
+                    "skipped the other quantities at this step.",
                     stacklevel=3,
                 )
                 self._store(step, "Loss", info["loss"])
@@ -209,6 +213,11 @@ class Cockpit:
             grads=grads,
             mean_grad=mean_grad,
         )
+        # For curvature quantities: p.grad with its graph (create_graph=True), the model, and
+        # (below) the captured calls and the engine, to backpropagate other output gradients.
+        data.extra.update(
+            graph_grads=[p.grad for p in self.params], tracked=self.params, model=self.model
+        )
         if request:
             calls = capture.calls_by_module()
             if self._engine.needs_check(calls):
@@ -217,6 +226,8 @@ class Cockpit:
             for q in active:
                 directions.update(q.directions(data))
             data.statistics = self._engine.statistics(calls, request, directions, n, scale)
+            data.extra.update(calls=calls, engine=self._engine)
+            data.per_sample = _bound_statistics(self._engine, self.params, calls, n, scale)
         for q in active:
             for s, value in q.compute(data).items():
                 self._store(s, q.name, value)
@@ -273,6 +284,28 @@ def _reduction(loss: Tensor, losses: Tensor) -> str:
     )
 
 
+def _bound_statistics(engine: PerSampleEngine, tracked: list[nn.Parameter], calls, n, scale):
+    """``StepData.per_sample``: statistics of one step's captured calls, on demand.
+
+    Holds ``calls`` (that step's layer inputs and output gradients; the capture's gradient
+    hooks are already removed) for as long as a quantity keeps the returned function.
+    """
+
+    def per_sample(request: Request, directions: dict, params: list[Tensor] | None = None):
+        if params is None:
+            return engine.statistics(calls, request, directions, n, scale)
+        now = [p.data for p in tracked]
+        try:
+            for p, value in zip(tracked, params, strict=True):
+                p.data = value
+            return engine.statistics(calls, request, directions, n, scale)
+        finally:
+            for p, value in zip(tracked, now, strict=True):
+                p.data = value
+
+    return per_sample
+
+
 def _store_into(slots: list, k: int):
     def store(grad):
         slots[k] = grad.detach()
@@ -293,4 +326,3 @@ def _to_python(value):
     if isinstance(value, np.generic):
         return value.item()
     return value
-

@@ -5,9 +5,19 @@ from __future__ import annotations
 from avionics import quantities
 from avionics.schedules import Schedule
 
-ECONOMY = ["Distance", "GradNorm", "InnerTest", "Loss", "NormTest", "OrthoTest", "UpdateSize"]
-BUSINESS = ECONOMY + []
-FULL = BUSINESS + []
+ECONOMY = [
+    "Alpha",
+    "Distance",
+    "GradHist1d",
+    "GradNorm",
+    "InnerTest",
+    "Loss",
+    "NormTest",
+    "OrthoTest",
+    "UpdateSize",
+]
+BUSINESS = ECONOMY + ["TICDiag", "HessTrace"]
+FULL = BUSINESS + ["HessMaxEV", "GradHist2d"]
 PRESETS = {"economy": ECONOMY, "business": BUSINESS, "full": FULL}
 
 

@@ -63,7 +63,9 @@ class ModuleCall:
         return any(g is not None for g in self.grad_outputs)
 
     def check_inputs_unchanged(self, name: str) -> None:
-        tensors = [t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, Tensor)]
+        tensors = [
+            t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, Tensor)
+        ]
         for t, version in zip(tensors, self.input_versions, strict=True):
             if t._version != version:
                 raise RuntimeError(

@@ -8,6 +8,7 @@ step they belong to (two-step quantities store under their start step).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,15 @@ class StepData:
 
     ``mean_grad`` is g = mean_n g_n (= p.grad for a mean-reduced loss, p.grad / N for a sum);
     ``statistics`` holds the per-sample statistics requested for this step.
+
+    ``per_sample(request, directions, params=None) -> Statistics`` (set on steps that captured
+    per-sample information, else None) computes further statistics of *this* step's per-sample
+    gradients on demand, e.g. projections onto a direction only known later (Alpha projects
+    the start step's g_n onto theta_{t+1} - theta_t). It stays valid as long as a quantity keeps
+    a reference to it, which keeps this step's captured layer inputs and output gradients
+    alive: drop it as soon as it is used. Once the parameters have changed (after
+    ``optimizer.step()``), pass ``params``, their values at this step: they are swapped in
+    while it runs, for the rules that re-run a module's forward.
     """
 
     step: int
@@ -38,6 +48,7 @@ class StepData:
     mean_grad: list[Tensor]
     statistics: Statistics | None = None
     extra: dict = field(default_factory=dict)
+    per_sample: Callable[..., Statistics] | None = None
 
     @property
     def optimizer(self):
@@ -79,7 +90,11 @@ class Quantity:
         return Request()
 
     def directions(self, data: StepData) -> dict[str, list[Tensor]]:
-        """Directions (beyond "grad") this quantity projects per-sample gradients on."""
+        """Directions (beyond "grad") this quantity projects per-sample gradients on.
+
+        Called on steps with a non-empty request, after the backward and before the engine
+        runs (the last point where a quantity sees ``data`` before its visitors are called).
+        """
         return {}
 
     def compute(self, data: StepData) -> dict[int, Any]:

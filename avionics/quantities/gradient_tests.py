@@ -31,8 +31,9 @@ class _GradientTest(Quantity):
     def compute(self, data: StepData):
         n = data.batch_size
         if n < 2:
-            warnings.warn(f"{self.name} needs a batch of at least 2 samples; stored nan.",
-                          stacklevel=2)  # fmt: skip
+            warnings.warn(
+                f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
+            )
             return {data.step: torch.tensor(float("nan"))}
         stats = data.statistics
         sq_norms = sum(stats.sq_norms)  # ||g_n||^2, [N]

@@ -27,8 +27,9 @@ def chunk_size(n: int, numel: int, element_size: int) -> int:
 class Rule:
     """Per-sample gradients of ``names`` (parameters reached from ``module``) from ``calls``."""
 
-    def __init__(self, module: nn.Module, calls: list[ModuleCall], names: list[str], n: int,
-                 scale: float):  # fmt: skip
+    def __init__(
+        self, module: nn.Module, calls: list[ModuleCall], names: list[str], n: int, scale: float
+    ):
         self.module, self.calls, self.names, self.n, self.scale = module, calls, names, n, scale
         self.params = [module.get_parameter(name) for name in names]
 
@@ -43,7 +44,9 @@ class Rule:
         for start in range(0, self.n, step):
             yield start, self.materialize(start, min(self.n, start + step))
 
-    def statistics(self, requests: list[Request], directions: list[dict[str, Tensor]]) -> list[dict]:
+    def statistics(
+        self, requests: list[Request], directions: list[dict[str, Tensor]]
+    ) -> list[dict]:
         """Each parameter's requested statistics (see :class:`Accumulator` for the keys).
 
         ``requests[k]`` and ``directions[k]`` belong to parameter k; ``index`` of visitors is k.

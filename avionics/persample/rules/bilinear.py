@@ -6,7 +6,7 @@ Linear and convolution layers (after unfolding) both have, for sample n and grou
 
 with t over the shared axes (sequence positions, spatial locations). Then
 
-    ||G_n||^2    = sum_{g,t,s} (delta_t . delta_s)(x_t . x_s)        (Gram form, cost N G T^2 (I+O))
+    ||G_n||^2    = sum_{g,t,s} (delta_t . delta_s)(x_t . x_s)        (Gram, cost N G T^2 (I+O))
                  = sum_g ||delta_{n,g}||^2 ||x_{n,g}||^2              (T = 1, cost N G (I+O))
     G_n . V      = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t})          (cost N G T I O)
     sum_n G_n^2  = sum_n (delta_n^2)(x_n^2)^T                         (T = 1 only)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.request import Accumulator, Request
+from avionics.persample.request import Request
 from avionics.persample.rules.base import Rule, batch_first, output_gradient
 
 

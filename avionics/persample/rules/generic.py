@@ -34,9 +34,7 @@ class GenericRule(Rule):
     def _call_gradients(self, call, start: int, stop: int) -> list[Tensor]:
         axis, n = call.batch_axis, self.n
         leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
-        batched = [
-            isinstance(t, Tensor) and t.dim() > axis and t.shape[axis] == n for t in leaves
-        ]
+        batched = [isinstance(t, Tensor) and t.dim() > axis and t.shape[axis] == n for t in leaves]
         leaves = [
             t.detach().narrow(axis, start, stop - start) if b else _detach(t)
             for t, b in zip(leaves, batched, strict=True)

@@ -1,0 +1,212 @@
+"""The per-sample engine's statistics against brute-force per-sample gradients.
+
+Covers every closed-form rule, the generic rule, the loop fallback, tied weights, modules
+called several times, parameters used directly in a parent's forward and in-place layers.
+"""
+
+import models
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from avionics.persample import PerSampleEngine, Request
+
+
+def engine_statistics(model, X, y, loss_fn, reduction="mean"):
+    """Run one captured forward/backward and return (statistics, brute-force g_n, grads)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine = PerSampleEngine(model, params)
+    capture = engine.capture()
+    capture.arm()
+    losses = loss_fn(model(X), y)
+    capture.disarm()
+    loss = losses.mean() if reduction == "mean" else losses.sum()
+    capture.record_gradients()
+    received = [None] * len(params)
+    handles = [
+        p.register_hook(lambda g, k=k: received.__setitem__(k, g)) for k, p in enumerate(params)
+    ]
+    loss.backward()
+    for h in handles:
+        h.remove()
+    capture.stop_recording()
+    n = len(losses)
+    scale = n if reduction == "mean" else 1
+    calls = capture.calls_by_module()
+    engine.check(calls, received, n, scale)
+    mean_grad = [p.grad / (1 if reduction == "mean" else n) for p in params]
+    request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
+    other = [torch.randn_like(p) for p in params]
+    stats = engine.statistics(calls, request, {"grad": mean_grad, "other": other}, n, scale)
+    reference = models.per_sample_gradients(model, X, y, loss_fn, params)
+    return stats, reference, mean_grad, other, engine
+
+
+def assert_exact(model, X, y, loss_fn, reduction="mean"):
+    stats, reference, mean_grad, other, engine = engine_statistics(model, X, y, loss_fn, reduction)
+    for k, ref in enumerate(reference):
+        flat = ref.reshape(ref.shape[0], -1)
+        torch.testing.assert_close(stats.sq_norms[k], flat.pow(2).sum(1), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(stats.sum_sq[k], ref.pow(2).sum(0), rtol=1e-10, atol=1e-12)
+        for name, v in (("grad", mean_grad[k]), ("other", other[k])):
+            torch.testing.assert_close(
+                stats.projections[name][k], flat @ v.reshape(-1), rtol=1e-10, atol=1e-12
+            )
+    # the brute force is a loop of autograd.grad: its mean is the gradient
+    for ref, g in zip(reference, mean_grad):
+        torch.testing.assert_close(ref.mean(0), g, rtol=1e-10, atol=1e-12)
+    return engine
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("architecture", sorted(models.ARCHITECTURES))
+def test_test_models(architecture, reduction):
+    assert_exact(*models.ARCHITECTURES[architecture](n=3), reduction=reduction)
+
+
+def ce(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+def seq_ce(out, y):
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none").mean(1)
+
+
+def classification(model, shape, n=3, classes=3):
+    torch.manual_seed(1)
+    return model.double(), torch.randn(n, *shape).double(), torch.randint(0, classes, (n,)), ce
+
+
+def test_convolutions_of_every_dimension_and_option():
+    for model, shape in [
+        (
+            nn.Sequential(
+                nn.Conv1d(2, 4, 3, stride=2, dilation=2, padding=2), nn.Flatten(), nn.LazyLinear(3)
+            ),
+            (2, 11),
+        ),
+        (
+            nn.Sequential(
+                nn.Conv2d(4, 6, (3, 2), groups=2, padding="same", padding_mode="circular"),
+                nn.Tanh(),
+                nn.Flatten(),
+                nn.LazyLinear(3),
+            ),
+            (4, 5, 6),
+        ),
+        (
+            nn.Sequential(
+                nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1, padding_mode="reflect"),
+                nn.Flatten(),
+                nn.LazyLinear(3),
+            ),
+            (2, 3, 4, 3),
+        ),
+    ]:
+        model(torch.randn(1, *shape))  # materialise the lazy layer
+        assert_exact(*classification(model, shape))
+
+
+def test_normalisation_layers_and_batchnorm_in_eval():
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.GroupNorm(2, 4),
+        nn.Flatten(1, 2),
+        nn.LayerNorm([16, 4]),
+        nn.RMSNorm(4),
+        nn.Flatten(),
+        nn.Linear(64, 3),
+    )
+    model[1].running_mean.uniform_()
+    model[1].running_var.uniform_(0.5, 2)
+    model.eval()
+    assert_exact(*classification(model, (2, 6, 6)))
+
+
+def test_batchnorm_in_train_mode_warns_and_says_what_it_computes():
+    model, X, y, loss_fn = classification(nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)), (4,))
+    import avionics.persample.rules.normalization as norm
+
+    norm._warned_batchnorm_train = False
+    with pytest.warns(UserWarning, match="share of the batch gradient"):
+        stats, *_ = engine_statistics(model, X, y, loss_fn)
+    assert stats.sq_norms[0].shape == (3,)
+
+
+class TwiceAndFunctional(nn.Module):
+    """A layer called twice, a weight also used functionally, a table added in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(7, 4, padding_idx=0)
+        self.pos = nn.Parameter(torch.randn(5, 4))
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, idx):
+        h = self.emb(idx) + self.pos
+        h = self.mix(torch.tanh(self.mix(h)))
+        return F.linear(h, self.emb.weight)  # logits tied to the embedding, no module call
+
+
+def test_modules_called_twice_functional_ties_and_direct_parameters():
+    torch.manual_seed(2)
+    model = TwiceAndFunctional().double()
+    X = torch.randint(0, 7, (3, 5))
+    X[0, :2] = 0  # the padding index gets no gradient
+    engine = assert_exact(model, X, torch.randint(0, 7, (3, 5)), seq_ce)
+    # the embedding's weight is also used outside nn.Embedding: routed through the root
+    assert engine._param_name(min(engine._from_root)) == "emb.weight"
+
+
+def test_multihead_attention_sequence_first():
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.MultiheadAttention(4, 2)  # batch_first=False: [T, N, E]
+            self.out = nn.Linear(4, 3)
+
+        def forward(self, x):
+            h = self.attn(x, x, x)[0]
+            return self.out(h.mean(0))
+
+    torch.manual_seed(3)
+    model = Attention().double()
+    X = torch.randn(5, 3, 4).double()  # T=5, N=3
+    assert_exact(model, X, torch.randint(0, 3, (3,)), ce)
+
+
+def test_gru_uses_the_exact_per_sample_loop():
+    assert_exact(*models.rnn(n=3, cell=nn.GRU))
+
+
+def test_tied_weights_with_two_modules():
+    model, X, y, loss_fn = models.transformer(n=2)
+    assert model.head.weight is model.tok.weight
+    assert_exact(model, X, y, loss_fn)
+
+
+def test_in_place_modification_of_a_captured_input_is_an_error():
+    class AddBias(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(3))
+
+        def forward(self, x):
+            return x + self.bias  # autograd saves nothing here, so it cannot notice
+
+    class Mutates(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.add = AddBias()
+
+        def forward(self, x):
+            h = x * 1.0
+            out = self.add(h)
+            h.mul_(2)  # changes AddBias's input after it was used
+            return out + h
+
+    model, X, y, loss_fn = classification(Mutates(), (3,))
+    with pytest.raises(RuntimeError, match="input of module 'add' was modified in place"):
+        engine_statistics(model, X, y, loss_fn)

@@ -1,0 +1,299 @@
+"""The cockpit protocol (SPEC section 1) and its errors (SPEC section 5)."""
+
+import warnings
+
+import models
+import pytest
+import torch
+from torch import nn
+
+from avionics import Cockpit, configuration, quantities, schedules
+from avionics.persample.capture import Capture
+
+
+def global_forward_hooks() -> int:
+    return len(torch.nn.modules.module._global_forward_hooks)
+
+
+def state_of(model):
+    """Everything a cockpit could leave behind on a model and its parameters."""
+    return [
+        (
+            sorted(vars(m)),
+            len(m._forward_hooks),
+            len(m._forward_pre_hooks),
+            len(m._backward_hooks),
+            len(m._backward_pre_hooks),
+        )
+        for m in model.modules()
+    ] + [(sorted(vars(p)), len(p._backward_hooks or {})) for p in model.parameters()]
+
+
+def train(cockpit, model, X, y, loss_fn, steps, reduction="mean", opt=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        loss = losses.mean() if reduction == "mean" else losses.sum()
+        info = {
+            "loss": loss,
+            "individual_losses": losses,
+            "batch_size": len(losses),
+            "optimizer": opt,
+        }
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        opt.step()
+
+
+def test_nothing_is_left_on_the_model_or_its_parameters():
+    model, X, y, loss_fn = models.transformer(n=3)
+    before = state_of(model)
+    hooks = global_forward_hooks()
+    cockpit = Cockpit(model, configuration("economy"))
+    for _ in range(3):
+        train(cockpit, model, X, y, loss_fn, 1)
+        assert state_of(model) == before
+    cockpit.close()
+    assert global_forward_hooks() == hooks
+
+
+def test_untracked_steps_have_no_hook_at_all():
+    model, X, y, loss_fn = models.mlp(n=3)
+    hooks = global_forward_hooks()
+    cockpit = Cockpit(model, [quantities.NormTest(schedule=schedules.linear(3))])
+    armed = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(7):
+        armed.append(global_forward_hooks() - hooks)  # during this step's forward
+        losses = loss_fn(model(X), y)
+        with cockpit(
+            step, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+        ):
+            losses.mean().backward()
+        opt.step()
+    assert armed == [1, 0, 0, 1, 0, 0, 1]
+    assert sorted(cockpit.get_output()) == [0, 3, 6]
+
+
+def test_an_unused_cockpit_removes_its_hook_when_collected():
+    hooks = global_forward_hooks()
+    model = models.mlp()[0]
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    assert global_forward_hooks() == hooks + 1
+    del cockpit
+    import gc
+
+    gc.collect()
+    model(torch.randn(2, 6, dtype=torch.float64))
+    assert global_forward_hooks() == hooks
+
+
+def test_evaluation_passes_between_steps_do_not_disturb():
+    model, X, y, loss_fn = models.mlp(n=4)
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    losses = loss_fn(model(X), y)
+    with torch.no_grad():
+        model(torch.randn(7, 6, dtype=torch.float64))  # not recorded
+    model(torch.randn(5, 6, dtype=torch.float64)).sum()  # recorded, never backpropagated
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 4}):
+        losses.mean().backward()
+    assert cockpit.get_output()[0]["NormTest"] > 0
+
+
+def test_log_stores_metrics_under_the_step():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.Loss()])
+    train(cockpit, model, X, y, loss_fn, 1)
+    cockpit.log(0, valid_loss=0.5, valid_accuracy=torch.tensor(0.75), learning_rate=0.1)
+    out = cockpit.get_output()[0]
+    assert out["valid_loss"] == 0.5 and out["valid_accuracy"] == 0.75
+    assert out["learning_rate"] == 0.1 and "Loss" in out
+
+
+def test_time_and_parameters():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.Time(), quantities.Parameters()])
+    before = [p.detach().clone() for p in model.parameters()]
+    train(cockpit, model, X, y, loss_fn, 1)
+    out = cockpit.get_output()[0]
+    assert isinstance(out["Time"], float) and out["Time"] > 1.7e9
+    for stored, p in zip(out["Parameters"], before):
+        assert torch.equal(torch.tensor(stored, dtype=torch.float64), p)
+
+
+def test_these_quantities_keep_no_graph():
+    cockpit = Cockpit(models.mlp()[0], configuration("economy"))
+    assert not any(cockpit.create_graph(step) for step in range(5))
+
+
+def test_presets_list_the_spec_quantities():
+    economy = {q.name for q in configuration("economy")}
+    assert {
+        "Distance",
+        "GradNorm",
+        "InnerTest",
+        "Loss",
+        "NormTest",
+        "OrthoTest",
+        "UpdateSize",
+    } <= economy
+    assert economy <= {q.name for q in configuration("business")}
+    assert {q.name for q in configuration("business")} <= {q.name for q in configuration("full")}
+    for q in configuration("full"):
+        assert q.name not in {
+            "CABS",
+            "EarlyStopping",
+            "MeanGSNR",
+            "TICTrace",
+            "Time",
+            "Parameters",
+        }
+    with pytest.raises(ValueError, match="economy"):
+        configuration("first-class")
+
+
+# ---------------------------------------------------------------------------- errors
+def step_once(cockpit, model, X, y, loss_fn, info_update=None, drop=()):
+    losses = loss_fn(model(X), y)
+    info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(losses)}
+    info.update(info_update or {})
+    for key in drop:
+        info.pop(key)
+    with cockpit(0, info=info):
+        info["loss"].backward()
+
+
+def test_bad_construction_arguments():
+    model = models.mlp()[0]
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        Cockpit(lambda x: x, [quantities.Loss()])
+    with pytest.raises(TypeError, match="is not a quantity"):
+        Cockpit(model, [quantities.Loss(), "NormTest"])
+    with pytest.raises(ValueError, match="Two NormTest"):
+        Cockpit(model, [quantities.NormTest(), quantities.NormTest()])
+    with pytest.raises(TypeError, match="schedule"):
+        quantities.NormTest(schedule=3)
+    frozen = model[0].weight
+    frozen.requires_grad_(False)
+    with pytest.raises(ValueError, match="'0.weight' does not require grad"):
+        Cockpit(model, [quantities.Loss()], params=[frozen])
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        Cockpit(model, [quantities.Loss()], params=[nn.Parameter(torch.zeros(2))])
+    with pytest.raises(ValueError, match="no parameter that requires grad"):
+        Cockpit(nn.ReLU(), [quantities.Loss()])
+
+
+def test_missing_info_keys_name_the_key_and_the_quantity_before_any_work():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.NormTest()])
+    with pytest.raises(KeyError, match="NormTest reads info\\['batch_size'\\]"):
+        step_once(cockpit, model, X, y, loss_fn, drop=["batch_size"])
+    assert model[0].weight.grad is None  # the backward never ran
+    with pytest.raises(KeyError, match="info\\['loss'\\] is required"):
+        step_once(cockpit, model, X, y, loss_fn, drop=["loss"])
+    with pytest.raises(KeyError, match="CABS reads info\\['optimizer'\\]"):
+        step_once(Cockpit(model, [quantities.CABS()]), model, X, y, loss_fn)
+
+
+def test_a_loss_that_is_neither_mean_nor_sum():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    losses = loss_fn(model(X), y)
+    with pytest.raises(ValueError, match="neither the mean .* nor the sum"):
+        step_once(cockpit, model, X, y, loss_fn, {"loss": 2 * losses.mean()})
+    with pytest.raises(ValueError, match="batch_size'\\] is 5"):
+        step_once(cockpit, model, X, y, loss_fn, {"batch_size": 5})
+    with pytest.raises(ValueError, match="shape \\[N\\]"):
+        step_once(cockpit, model, X, y, loss_fn, {"individual_losses": losses[None]})
+
+
+@pytest.mark.parametrize("name", ["CABS", "EarlyStopping"])
+def test_plain_sgd_quantities_refuse_other_optimizers(name):
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [getattr(quantities, name)()])
+    with pytest.raises(ValueError, match="plain SGD only.*Adam"):
+        step_once(
+            cockpit, model, X, y, loss_fn, {"optimizer": torch.optim.Adam(model.parameters())}
+        )
+    with pytest.raises(ValueError, match="momentum=0.9"):
+        step_once(
+            cockpit,
+            model,
+            X,
+            y,
+            loss_fn,
+            {"optimizer": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)},
+        )
+
+
+def test_non_finite_loss_is_recorded_with_a_warning_and_training_goes_on():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.NormTest()])
+    X = X.clone()
+    X[0, 0] = float("nan")
+    with pytest.warns(UserWarning, match="the loss is nan"):
+        step_once(cockpit, model, X, y, loss_fn)
+    assert cockpit.get_output()[0]["Loss"] != cockpit.get_output()[0]["Loss"]
+    X[0, 0] = 0.0
+    model.zero_grad()
+    losses = loss_fn(model(X), y)  # the next step works normally
+    with cockpit(1, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
+        losses.mean().backward()
+    assert cockpit.get_output()[1]["NormTest"] > 0
+
+
+def test_a_step_whose_forward_was_not_captured_says_so():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.NormTest(schedule=schedules.linear(5))])
+    step_once(cockpit, model, X, y, loss_fn)  # step 0
+    losses = loss_fn(model(X), y)
+    info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+    with pytest.raises(RuntimeError, match="consecutive step numbers"):
+        with cockpit(5, info=info):  # steps 1-4 skipped: step 5's forward was not captured
+            losses.mean().backward()
+
+
+def test_an_exception_inside_the_block_propagates_and_cleans_up():
+    model, X, y, loss_fn = models.mlp(n=3)
+    before = state_of(model)
+    cockpit = Cockpit(model, [quantities.NormTest()])
+    losses = loss_fn(model(X), y)
+    with pytest.raises(ZeroDivisionError):
+        with cockpit(
+            0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+        ):
+            raise ZeroDivisionError
+    assert state_of(model) == before and cockpit.get_output() == {}
+
+
+def test_schedules():
+    assert [s for s in range(12) if schedules.linear(4)(s)] == [0, 4, 8]
+    assert [s for s in range(12) if schedules.linear(4, offset=2)(s)] == [2, 6, 10]
+    log = schedules.logarithmic(0, 2, steps=5)
+    assert [s for s in range(101) if log(s)] == [0, 1, 3, 10, 31, 100]
+    assert [s for s in range(101) if schedules.logarithmic(0, 2, steps=5, init=False)(s)] == [
+        1,
+        3,
+        10,
+        31,
+        100,
+    ]
+    with pytest.raises(ValueError):
+        schedules.linear(0)
+    with pytest.raises(ValueError):
+        schedules.logarithmic(3, 1)
+
+
+def test_capture_records_nothing_without_gradients_enabled():
+    model = models.mlp()[0]
+    capture = Capture(model, list(model.modules()))
+    capture.arm()
+    with torch.no_grad():
+        model(torch.randn(2, 6, dtype=torch.float64))
+    capture.disarm()
+    assert capture.calls == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model(torch.randn(2, 6, dtype=torch.float64))
+    assert capture.calls == []
