@@ -1,0 +1,102 @@
+"""The primary screen: STEP SIZE, GRADIENTS and CURVATURE columns over a bottom row of
+hyperparameters and performance (SPEC section 3)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from matplotlib.figure import Figure
+
+from avionics.dashboard.curvature import max_ev_panel, tic_panel, trace_panel
+from avionics.dashboard.gradients import (
+    gradient_hist2d_panel,
+    gradient_tests_panel,
+    hist1d_panel,
+)
+from avionics.dashboard.performance import hyperparameter_panel, performance_panel
+from avionics.dashboard.step_size import alpha_panel, distance_panel, grad_norm_panel
+from avionics.dashboard.style import GROUP_COLORS
+from avionics.records.reader import as_run
+
+FORMATS = (".png", ".pdf", ".svg")
+COLUMNS = (
+    ("STEP SIZE", (alpha_panel, distance_panel, grad_norm_panel)),
+    ("GRADIENTS", (gradient_tests_panel, hist1d_panel, gradient_hist2d_panel)),
+    ("CURVATURE", (max_ev_panel, trace_panel, tic_panel)),
+)
+FIGSIZE = (24, 15)
+
+
+def group_frame(fig: Figure, spec, name: str, color) -> None:
+    """The coloured background and bold title of a group of instruments."""
+    frame = fig.add_subplot(spec)
+    frame.set_facecolor((*color, 0.6))
+    frame.set_title(name, fontweight="bold", fontsize="x-large")
+    frame.set_xticks([])
+    frame.set_yticks([])
+    for spine in frame.spines.values():
+        spine.set_visible(False)
+
+
+def default_title(run) -> str:
+    """``Cockpit: <run name> (<optimizer>), steps a-b``."""
+    name = run.path.parent.name if run.path and run.path.name == "log.jsonl" else None
+    name = name or (run.path.stem if run.path else "live run")
+    optimizer = (run.metadata.get("optimizer") or {}).get("name")
+    span = f", steps {min(run.steps)}-{max(run.steps)}" if run.steps else ", no steps yet"
+    return f"Cockpit: {name}" + (f" ({optimizer})" if optimizer else "") + span
+
+
+def save(fig: Figure, path: str | os.PathLike) -> Path:
+    """Save ``fig`` as PNG, PDF or SVG, chosen by the file suffix."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(
+            f"Cannot save a dashboard as {path.name!r}: use a file name ending in "
+            f"{', '.join(FORMATS)}."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100 if path.suffix.lower() == ".png" else None)
+    return path
+
+
+def plot(source, path: str | os.PathLike | None = None, title: str | None = None) -> Figure:
+    """Draw the dashboard of ``source`` (a run log path, a :class:`~avionics.records.Run`,
+    or a live ``Cockpit``) and save it to ``path`` (.png, .pdf or .svg) if given.
+
+    Every instrument is drawn; one without data is an empty, labelled panel that names the
+    quantity it needs. Histograms show the latest step that has one.
+    """
+    run = as_run(source)
+    if path is not None and Path(path).suffix.lower() not in FORMATS:
+        save(Figure(), path)  # raises the error that says which suffixes work
+    fig = Figure(figsize=FIGSIZE)
+    outer = fig.add_gridspec(
+        2,
+        3,
+        height_ratios=[3, 1],
+        wspace=0.1,
+        hspace=0.12,
+        left=0.03,
+        right=0.97,
+        top=0.93,
+        bottom=0.04,
+    )
+    for column, (group, panels) in enumerate(COLUMNS):
+        group_frame(fig, outer[0, column], group, GROUP_COLORS[group])
+        inner = outer[0, column].subgridspec(
+            5,
+            3,
+            width_ratios=[0.12, 1, 0.12],
+            height_ratios=[0.02, 1, 1, 1, 0.06],
+            hspace=0.55,
+        )
+        for row, panel in enumerate(panels):
+            panel(fig, inner[row + 1, 1], run)
+    hyperparameter_panel(fig, outer[1, 0], run)
+    performance_panel(fig, outer[1, 1:], run)
+    fig.suptitle(title or default_title(run), fontsize="xx-large", fontweight="bold")
+    if path is not None:
+        save(fig, path)
+    return fig

@@ -1,0 +1,115 @@
+"""Shared look of the dashboard panels: colours, smoothing, series and empty panels."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.axes import Axes
+from matplotlib.ticker import SymmetricalLogLocator
+
+BLUE = (0.29, 0.45, 0.68)
+ORANGE = (0.95, 0.50, 0.20)
+GREEN = (0.30, 0.60, 0.40)
+GREY = "#ababba"
+GROUP_COLORS = {"STEP SIZE": BLUE, "GRADIENTS": ORANGE, "CURVATURE": GREEN}
+PANEL_FACE = "white"
+SUMMARY_FACE = "#e4e4ea"  # the bottom row
+EMA_WEIGHT = 0.2
+TITLE = {"fontweight": "bold", "fontsize": "large"}
+STEP = "step"  # the label of every step axis
+
+
+def ema(values: np.ndarray, weight: float = EMA_WEIGHT) -> np.ndarray:
+    """Exponential moving average ``s_t = weight * x_t + (1 - weight) * s_{t-1}``,
+    ``s_0 = x_0``; a non-finite ``x_t`` leaves the average unchanged (nan before any finite
+    value)."""
+    smoothed = np.full(len(values), np.nan)
+    current = np.nan
+    for i, x in enumerate(values):
+        if np.isfinite(x):
+            current = x if np.isnan(current) else weight * x + (1 - weight) * current
+        smoothed[i] = current
+    return smoothed
+
+
+def empty_panel(ax: Axes, title: str, xlabel: str, ylabel: str, needs: str) -> Axes:
+    """Draw an instrument without data: its title and axis labels, and what it needs."""
+    ax.set_title(title, **TITLE)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_facecolor("#f4f4f4")
+    ax.text(
+        0.5,
+        0.5,
+        f"no data\n(needs {needs})",
+        transform=ax.transAxes,
+        ha="center",
+        va="center",
+        color="grey",
+        fontsize="medium",
+    )
+    return ax
+
+
+def series_plot(
+    ax: Axes,
+    steps: np.ndarray,
+    values: np.ndarray,
+    label: str,
+    color=BLUE,
+    smooth: bool = True,
+    yscale: str = "auto",
+):
+    """Points of ``values`` vs ``steps`` and, if ``smooth``, their EMA as a line. Non-finite
+    values are left out of the points (and marked with a red tick on the step axis). The
+    y scale is ``yscale``; symlog when ``"log"`` is asked but a value is not positive;
+    ``"auto"`` is log for positive values spanning more than three decades (a diverging
+    run; symlog if some are 0), else linear."""
+    finite = np.isfinite(values)
+    size = 9 if finite.sum() > 40 else 30  # few points must still be seen
+    ax.scatter(steps[finite], values[finite], s=size, color=color, alpha=0.7, label=label, lw=0)
+    if smooth and finite.any():
+        ax.plot(steps, ema(values), color=color, lw=1.8, label=f"{label} (EMA)")
+    if (~finite).any():
+        ax.plot(
+            steps[~finite],
+            np.zeros((~finite).sum()),
+            "|",
+            color="red",
+            ms=14,
+            mew=2,
+            transform=ax.get_xaxis_transform(),
+            label=f"{label}: non-finite",
+        )
+    shown = values[finite]
+    positive = shown[shown > 0]
+    wide = len(positive) and (shown >= 0).all() and positive.max() > 1e3 * positive.min()
+    if yscale == "auto":
+        yscale = "log" if wide else "linear"
+    if yscale == "log" and len(shown) and (shown <= 0).any():
+        yscale = "symlog"
+    if yscale == "symlog" and wide:  # zeros among spread positives: linear only near 0
+        ax.set_yscale("symlog", linthresh=positive.min())
+        ax.yaxis.set_major_locator(SymmetricalLogLocator(base=10, linthresh=positive.min()))
+        ax.yaxis.get_major_locator().set_params(numticks=7)
+        ax.set_ylim(bottom=0)
+    else:
+        ax.set_yscale(yscale)
+    if len(steps):
+        ax.set_xlim(*step_limits(steps))
+
+
+def step_limits(steps: np.ndarray) -> tuple[float, float]:
+    """The step axis: the steps' range plus 2 % on each side (at least half a step)."""
+    pad = max(0.5, 0.02 * (steps.max() - steps.min()))
+    return steps.min() - pad, steps.max() + pad
+
+
+def style_panel(ax: Axes, title: str, xlabel: str, ylabel: str, face=PANEL_FACE) -> None:
+    """Title, labels, face colour and a light grid for one instrument."""
+    ax.set_title(title, **TITLE)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_facecolor(face)
+    ax.grid(alpha=0.3, ls="--")
