@@ -1,0 +1,31 @@
+"""Algorithms on any curvature operator (or dense tensor): eigenpairs, trace, diagonal,
+squared Frobenius norm, spectral density and inverses.
+
+Every function takes any object with ``.shape`` (D, D) and ``@`` on torch vectors [D] and
+matrices [D, k], or a dense tensor. Stochastic functions take ``seed`` or ``generator`` and are
+reproducible (seed 0 when neither is given).
+"""
+
+from .diagonal import hutchinson_diagonal, xdiag
+from .frobenius import frobenius_norm_squared
+from .inverse import CGResult, conjugate_gradient, neumann_inverse
+from .lanczos import EigenResult, bottom_eigenpairs, top_eigenpairs
+from .spectral_density import SpectralDensity, spectral_density
+from .trace import hutchinson_trace, hutchpp_trace, xtrace
+
+__all__ = [
+    "CGResult",
+    "EigenResult",
+    "SpectralDensity",
+    "bottom_eigenpairs",
+    "conjugate_gradient",
+    "frobenius_norm_squared",
+    "hutchinson_diagonal",
+    "hutchinson_trace",
+    "hutchpp_trace",
+    "neumann_inverse",
+    "spectral_density",
+    "top_eigenpairs",
+    "xdiag",
+    "xtrace",
+]

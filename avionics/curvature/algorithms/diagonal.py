@@ -1,0 +1,89 @@
+"""Stochastic diagonal estimators: Hutchinson (Bekas et al.) and XDiag."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._matmul import _as_matmul, _generator, _probe_blocks, _random
+
+
+def hutchinson_diagonal(
+    A,
+    num_products: int = 100,
+    *,
+    distribution: str = "rademacher",
+    chunk_size: int | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """diag(A) ~ (1/m) sum_i z_i * (A z_i) (elementwise), m = ``num_products`` i.i.d. test
+    vectors with E[z z^T] = I (Bekas, Kokiopoulou, Saad 2007, "An estimator for the diagonal of
+    a matrix", eq. (2.1)). Unbiased. With Rademacher vectors (the default) the variance of entry
+    j is sum_{l != j} A_jl^2 / m, so a diagonal matrix is recovered exactly. Probes are drawn
+    and multiplied ``chunk_size`` at a time (all at once by default); the result does not
+    depend on ``chunk_size``.
+    """
+    mm = _as_matmul(A)
+    if num_products < 1:
+        raise ValueError(f"num_products must be >= 1, got {num_products}")
+    gen = _generator(seed, generator, mm.device)
+    total = torch.zeros(mm.dim, dtype=mm.dtype, device=mm.device)
+    for Z in _probe_blocks(
+        mm.dim, num_products, chunk_size, distribution, gen, mm.dtype, mm.device
+    ):
+        total = total + (Z * mm(Z)).sum(1)
+    return total / num_products
+
+
+def xdiag(
+    A,
+    num_products: int = 100,
+    *,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """XDiag, the exchangeable diagonal estimator of Epperly, Tropp & Webber 2024 ("XTrace:
+    making the most of every sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl.
+    45(1), section 2.4 / the ``xdiag`` algorithm).
+
+    With m = ``num_products // 2`` Rademacher test vectors w_i and P_i = Q_(i) Q_(i)^T the
+    projector on range(A Omega_{-i}) (the sketch without column i),
+
+        d_i = diag(P_i A) + w_i * ((I - P_i) A w_i),      XDiag = (1/m) sum_i d_i,
+
+    i.e. the exact diagonal of the low-rank part plus a one-vector Hutchinson diagonal of the
+    rest, each unbiased since w_i is independent of P_i. From one QR A Omega = Q R,
+    P_i = Q Q^T - q_i q_i^T with q_i = Q s_i, s_i the normalised i-th column of R^{-T}; with
+    Z = A^T Q = A Q (A symmetric is assumed) and T = Z^T Omega,
+
+        diag(P_i A) = diag(Q Z^T) - (Q s_i) * (Z s_i),
+        (I - P_i) A w_i = y_i - Q t_i + Q s_i (s_i^T t_i).
+
+    Uses 2m products (A Omega and A Q; m is capped at D). If A Omega is rank deficient,
+    diag(Q Z^T) is exact.
+    """
+    mm = _as_matmul(A)
+    N = mm.dim
+    m = num_products // 2
+    if m < 2:
+        raise ValueError(f"xdiag needs num_products >= 4, got {num_products}")
+    m = min(m, N)
+    gen = _generator(seed, generator, mm.device)
+    Om = _random((N, m), "rademacher", gen, mm.dtype, mm.device)
+    Y = mm(Om)
+    Q, R = torch.linalg.qr(Y)
+    Z = mm(Q)
+    exact_part = (Q * Z).sum(1)
+    rdiag = torch.diagonal(R).abs()
+    if rdiag.min() <= 100 * torch.finfo(R.dtype).eps * rdiag.max():
+        return exact_part
+    S = torch.linalg.solve_triangular(
+        R.T, torch.eye(m, dtype=R.dtype, device=R.device), upper=False
+    )
+    S = S / S.norm(dim=0, keepdim=True)
+    T = Z.T @ Om
+    QS, ZS = Q @ S, Z @ S
+    st = (S * T).sum(0)  # s_i^T t_i
+    residual = Y - Q @ T + QS * st  # columns (I - P_i) A w_i
+    return exact_part + ((Om * residual).sum(1) - (QS * ZS).sum(1)) / m

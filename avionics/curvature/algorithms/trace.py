@@ -1,0 +1,150 @@
+"""Stochastic trace estimators: Hutchinson, Hutch++ and XTrace.
+
+All of them use block products ``A @ Omega`` (many test vectors per product call) and take a
+budget ``num_products`` of operator-vector products, so they can be compared at equal cost.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ._matmul import _as_matmul, _generator, _probe_blocks, _random
+
+
+def hutchinson_trace(
+    A,
+    num_products: int = 100,
+    *,
+    distribution: str = "rademacher",
+    chunk_size: int | None = None,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Hutchinson's estimator tr(A) ~ (1/m) sum_i z_i^T A z_i with m = ``num_products`` i.i.d.
+    test vectors, E[z z^T] = I (Hutchinson 1989, "A stochastic estimator of the trace of the
+    influence matrix for Laplacian smoothing splines"). Unbiased; variance 2 ||A||_F^2 / m minus
+    2 sum_i A_ii^2 / m for Rademacher vectors (the default), 2 ||A||_F^2 / m for Gaussian ones.
+
+    The probes are drawn and multiplied ``chunk_size`` at a time (all at once by default); the
+    result does not depend on ``chunk_size``.
+    """
+    mm = _as_matmul(A)
+    if num_products < 1:
+        raise ValueError(f"num_products must be >= 1, got {num_products}")
+    gen = _generator(seed, generator, mm.device)
+    total = torch.zeros((), dtype=mm.dtype, device=mm.device)
+    for Z in _probe_blocks(
+        mm.dim, num_products, chunk_size, distribution, gen, mm.dtype, mm.device
+    ):
+        total = total + (Z * mm(Z)).sum()
+    return total / num_products
+
+
+def hutchpp_trace(
+    A,
+    num_products: int = 99,
+    *,
+    distribution: str = "rademacher",
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Tensor:
+    """Hutch++ (Meyer, Musco, Musco, Woodruff 2021, "Hutch++: Optimal stochastic trace
+    estimation", Algorithm 1): with m = ``num_products``, s = m // 3 sketch vectors S and
+    g = m - 2 s test vectors G,
+
+        Q = orth(A S),   tr(A) ~ tr(Q^T A Q) + (1/g) tr(G^T (I - QQ^T) A (I - QQ^T) G).
+
+    Exact on the top of the spectrum captured by Q, Hutchinson on the rest; unbiased. The
+    products A Q and A (I - QQ^T) G are done as one block. Falls back to Hutchinson for m < 3.
+    """
+    mm = _as_matmul(A)
+    if num_products < 3:
+        return hutchinson_trace(
+            A, num_products, distribution=distribution, seed=seed, generator=generator
+        )
+    gen = _generator(seed, generator, mm.device)
+    s = num_products // 3
+    g = num_products - 2 * s
+    S = _random((mm.dim, s), distribution, gen, mm.dtype, mm.device)
+    G = _random((mm.dim, g), distribution, gen, mm.dtype, mm.device)
+    Q, _ = torch.linalg.qr(mm(S))  # [D, min(D, s)]
+    q = Q.shape[1]
+    G = G - Q @ (Q.T @ G)
+    AB = mm(torch.cat([Q, G], 1))
+    return (Q * AB[:, :q]).sum() + (G * AB[:, q:]).sum() / g
+
+
+def xtrace(
+    A,
+    num_products: int = 100,
+    *,
+    improved: bool = True,
+    return_error: bool = False,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+):
+    """XTrace, the exchangeable trace estimator of Epperly, Tropp & Webber 2024 ("XTrace: making
+    the most of every sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl.
+    45(1), eq. (1.4)-(1.5) and Algorithm 2).
+
+    With m = ``num_products // 2`` Gaussian test vectors Omega = [w_1 ... w_m] and, for each i,
+    Q_(i) an orthonormal basis of range(A Omega_{-i}) (the sketch without column i),
+
+        tr_i = tr(Q_(i)^T A Q_(i)) + w_i^T (I - Q_(i) Q_(i)^T) A (I - Q_(i) Q_(i)^T) w_i,
+        XTrace = (1/m) sum_i tr_i.
+
+    Each tr_i is unbiased (w_i is independent of Q_(i)), so XTrace is unbiased; every vector
+    serves both as a sketch vector and as a Hutchinson test vector. All m downdated bases come
+    from one QR A Omega = Q R: Q_(i) Q_(i)^T = Q Q^T - q_i q_i^T with q_i = Q s_i, s_i the
+    normalised i-th column of R^{-T}. Only A Omega and A Q are needed: 2m products (m is capped
+    at D).
+
+    improved: the paper's variance reduction (section 2.2): replace u_i = (I - P_i) w_i by
+        u_i * sqrt(N - m + 1) / ||u_i||, which keeps E[u_i u_i^T] = I - P_i (u_i is isotropic in
+        the (N - m + 1)-dimensional complement) and removes the fluctuation of ||u_i||.
+    return_error: also return the error estimate std(tr_i) / sqrt(m) of the paper's eq. (2.8).
+
+    A need not be symmetric. If A Omega is rank deficient (A of rank < m), range(A Omega)
+    contains range(A) and tr(Q^T A Q) is the exact trace, which is returned.
+    """
+    mm = _as_matmul(A)
+    N = mm.dim
+    m = num_products // 2
+    if m < 2:
+        raise ValueError(f"xtrace needs num_products >= 4, got {num_products}")
+    m = min(m, N)
+    gen = _generator(seed, generator, mm.device)
+    Om = _random((N, m), "gaussian", gen, mm.dtype, mm.device)
+    Y = mm(Om)
+    Q, R = torch.linalg.qr(Y)
+    Z = mm(Q)
+    H = Q.T @ Z
+    trH = torch.diagonal(H).sum()
+    rdiag = torch.diagonal(R).abs()
+    if rdiag.min() <= 100 * torch.finfo(R.dtype).eps * rdiag.max():
+        return (trH, torch.zeros_like(trH)) if return_error else trH
+
+    # S = column-normalised R^{-T}: Q S e_i is the direction removed from Q_(i).
+    S = torch.linalg.solve_triangular(
+        R.T, torch.eye(m, dtype=R.dtype, device=R.device), upper=False
+    )
+    S = S / S.norm(dim=0, keepdim=True)
+    W = Q.T @ Om  # w_i projected: columns Q^T w_i
+    Tm = Z.T @ Om  # columns Z^T w_i = Q^T A^T w_i
+    c = (S * W).sum(0)  # s_i^T Q^T w_i
+    # tr(P_i A P_i) = tr(H) - s_i^T H s_i
+    first = trH - (S * (H @ S)).sum(0)
+    # u_i = (I - P_i) w_i = w_i - Q v_i with v_i = Q^T w_i - s_i c_i;  A u_i = Q r_i - Z v_i
+    Vv = W - S * c
+    second = (W * R).sum(0) - (Tm * Vv).sum(0) - (Vv * R).sum(0) + (Vv * (H @ Vv)).sum(0)
+    if improved:
+        unorm2 = (Om * Om).sum(0) - (W * W).sum(0) + c**2
+        second = second * (N - m + 1) / unorm2
+    ests = first + second
+    estimate = ests.mean()
+    if return_error:
+        return estimate, ests.std() / math.sqrt(m)
+    return estimate
