@@ -58,6 +58,13 @@ class ModuleCall:
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)
 
+    def carries_batch(self, n: int) -> bool:
+        """Whether the first input tensor has the ``n`` samples on the batch axis."""
+        for t in pytree.tree_leaves((self.args, self.kwargs)):
+            if isinstance(t, Tensor):
+                return t.dim() > self.batch_axis and t.shape[self.batch_axis] == n
+        return False
+
     @property
     def received_gradient(self) -> bool:
         return any(g is not None for g in self.grad_outputs)

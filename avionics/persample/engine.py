@@ -63,14 +63,34 @@ class PerSampleEngine:
                     m = self._parent.get(m)
         return Capture(self.model, sorted(watched, key=lambda m: self._names[m]))
 
+    def restricted(self, indices: list[int]) -> PerSampleEngine:
+        """An engine for the parameters ``indices`` only, routed as this one routes them (the
+        gradient check's moves to the root's generic rule included). The curvature diagonals
+        (:mod:`avionics.persample.second_order`) run the rules on the parameters that have no
+        shortcut of their own."""
+        sub = PerSampleEngine(self.model, [self.params[k] for k in indices])
+        sub._from_root = {i for i, k in enumerate(indices) if k in self._from_root}
+        sub._checked_pattern = self._checked_pattern
+        return sub
+
+    def rerouted(self, k: int) -> bool:
+        """Whether the gradient check moved parameter k to the root module's generic rule."""
+        return k in self._from_root
+
     # ----------------------------------------------------------------------------------------
     def _relative_name(self, ancestor: nn.Module, module: nn.Module, name: str) -> str:
         prefix, path = self._names[ancestor], self._names[module]
         inner = path if prefix == "" else path[len(prefix) + 1 :]
         return f"{inner}.{name}" if inner else name
 
-    def _contributions(self, calls: dict[nn.Module, list[ModuleCall]]):
-        """For each parameter index: the (module, name) pairs its per-sample gradient sums."""
+    def _contributions(self, calls: dict[nn.Module, list[ModuleCall]], n: int):
+        """For each parameter index: the (module, name) pairs its per-sample gradient sums.
+
+        A module counts as called only where its calls carry the batch: a position table
+        looked up with ``arange(T)`` is shared by all samples, and its per-sample gradients
+        only separate in the parent that adds it to each sample.
+        """
+        batched = {m: all(c.carries_batch(n) for c in cs) for m, cs in calls.items()}
         result: list[list[tuple[nn.Module, str]]] = []
         for k, owners in enumerate(self.owners):
             if k in self._from_root:
@@ -79,7 +99,7 @@ class PerSampleEngine:
             pairs: dict[nn.Module, str] = {}
             for module, name in owners:
                 host = module
-                while host is not None and host not in calls:
+                while host is not None and not batched.get(host, False):
                     host = self._parent.get(host)
                 if host is not None:
                     pairs.setdefault(host, self._relative_name(host, module, name))
@@ -110,7 +130,7 @@ class PerSampleEngine:
     ) -> Statistics:
         """The request's statistics of g_n = scale * (captured sample-n gradient)."""
         with torch.no_grad():
-            contributions = self._contributions(calls)
+            contributions = self._contributions(calls, n)
             rules = self._rules(calls, contributions, n, scale)
             per_param: list[dict] = [{} for _ in self.params]
             empty = Request()
@@ -162,7 +182,7 @@ class PerSampleEngine:
         ``gradients[k]`` is the gradient parameter k received in the captured backward.
         """
         with torch.no_grad():
-            contributions = self._contributions(calls)
+            contributions = self._contributions(calls, n)
             rules = self._rules(calls, contributions, n, scale)
             totals = {m: rule.total() for m, rule in rules.items()}
             # absolute slack relative to the whole gradient: a parameter whose gradient is

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from torch import Tensor
 
+# The direction named "grad" is always the mean gradient g = mean_n g_n; rules may compute
+# g_n . g from inner products of per-sample gradients instead of from the tensor.
+MEAN_GRADIENT = "grad"
+
 # visitor(parameter_index, chunk): chunk[i] = g_{start + i} for a run of consecutive samples.
 Visitor = Callable[[int, Tensor], None]
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -103,9 +104,16 @@ NO_SECOND_DERIVATIVE = (
 )
 
 
-def _batched_grad(outputs, inputs, grad_outputs, retain_graph=True, create_graph=False):
-    """torch.autograd.grad with a leading batch axis on grad_outputs (loop if vmap fails)."""
+def _batched_grad(
+    outputs, inputs, grad_outputs, retain_graph=True, create_graph=False, batched=True
+):
+    """torch.autograd.grad with a leading batch axis on grad_outputs (loop if vmap fails);
+    ``batched=False``: one plain product. Clear error where a second derivative is missing."""
     try:
+        if not batched:
+            return torch.autograd.grad(
+                outputs, inputs, grad_outputs, retain_graph=True, allow_unused=True
+            )
         return _batched_grad_unchecked(outputs, inputs, grad_outputs, retain_graph, create_graph)
     except RuntimeError as error:
         if "is not implemented" in str(error) and "derivative for" in str(error):
@@ -155,7 +163,52 @@ def ggn_diagonal(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
 ) -> list[Tensor]:
-    """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss."""
+    """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss.
+
+    With a square root S_n of the loss Hessian H_n w.r.t. sample n's output (S_n S_n^T = H_n,
+    see :func:`loss_hessian_root`), G_dd = (1/N) sum_n sum_j (J_n^T S_n e_j)_d^2 (exact: every
+    unit vector e_j of the output of one sample) or (1/(N K)) sum_n sum_k (J_n^T S_n z_{n,k})_d^2
+    (Monte Carlo: z ~ N(0, I) from ``generator``, K = ``mc_samples``). Each column S e_j (or
+    S z) is backpropagated from the model output to every captured module output, one backward
+    per column; the squared per-sample gradients are summed over columns by
+    :class:`_ColumnSums`.
+    """
+    root = _root_call(model, calls, len(individual_losses))
+    n = len(individual_losses)
+    out_edge = _edge(root.nodes[0])
+    out_shape = root.outputs[root.node_outputs[0]].shape
+    m = out_shape.numel() // n
+    if individual_losses.grad_fn is None:
+        raise RuntimeError("The GGN diagonal needs info['individual_losses'] with its graph.")
+    (u,) = torch.autograd.grad(
+        individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
+    )
+    root_of = loss_hessian_root(individual_losses, root, u)
+    if mc_samples is None:
+        if m > MAX_OUTPUT_SIZE:
+            raise ValueError(
+                f"The exact GGN diagonal backpropagates one column per output entry of a "
+                f"sample: the model output has shape {tuple(out_shape)}, {m} entries per sample "
+                f"(limit {MAX_OUTPUT_SIZE}). Use curvature='diag_ggn_mc'."
+            )
+        eye = torch.eye(m, dtype=u.dtype, device=u.device)
+        zs = (eye[j].expand(n, m) for j in range(m))
+    else:
+        z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
+        zs = iter(z.to(u.device))
+    sums = _ColumnSums(engine, calls, params, n)
+    moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
+    for zj in zs:
+        column = root_of(zj).reshape(moved_shape).movedim(0, root.batch_axis)
+        grads = torch.autograd.grad(
+            [out_edge], sums.edges, [column], retain_graph=True, allow_unused=True
+        )
+        sums.add(grads)
+    count = m if mc_samples is None else mc_samples
+    return [t.div_(n if mc_samples is None else n * count) for t in sums.result()]
+
+
+def _root_call(model: nn.Module, calls: dict, n: int):
     roots = calls.get(model, [])
     if len(roots) != 1 or len(roots[0].nodes) != 1:
         raise RuntimeError(
@@ -163,22 +216,133 @@ def ggn_diagonal(
             f"step; this step has {len(roots)} calls of the model. Use curvature='diag_h'."
         )
     root = roots[0]
-    n = len(individual_losses)
-    out_shape = root.outputs[root.node_outputs[0]].shape
-    m = out_shape.numel() // n
-    if out_shape[root.batch_axis] != n or m > MAX_OUTPUT_SIZE:
+    shape = root.outputs[root.node_outputs[0]].shape
+    if shape[root.batch_axis] != n:
         raise ValueError(
-            f"The GGN diagonal forms the loss Hessian w.r.t. each sample's output densely; the "
-            f"model output has shape {tuple(out_shape)} ({m} entries per sample, limit "
-            f"{MAX_OUTPUT_SIZE}) for a batch of {n}. Use curvature='diag_h' on a small model."
+            f"The GGN diagonal needs the batch ({n} samples) on axis {root.batch_axis} of the "
+            f"model output; it has shape {tuple(shape)}."
+        )
+    return root
+
+
+# Autograd nodes that only rearrange a tensor (their backward is the inverse rearrangement).
+_LAYOUT_NODES = {
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "CloneBackward0",
+}
+
+
+def loss_hessian_root(individual_losses: Tensor, root, u: Tensor):
+    """A map z -> S_n z with S_n S_n^T = H_n, the Hessian of l_n w.r.t. sample n's output
+    (z and the result: [N, M], batch first, the sample's output flattened).
+
+    Closed forms where the loss graph establishes them, each verified with one random probe
+    (H v from autograd against the formula, relative residual <= sqrt(eps) * 100):
+
+    * softmax cross-entropy: l_n's graph reaches the output through one log-softmax (and
+      layout operations only), and H_n = blockdiag_t c_t (diag p_t - p_t p_t^T) over the
+      positions t (every axis but the batch and the class axis), p_t the softmax of position
+      t, c_t >= 0 a weight (1/T for a mean over T tokens). Then
+      S z = sqrt(c_t) (sqrt(p_t) * z_t - p_t (sqrt(p_t) . z_t)) per position, since
+      (diag(sqrt p) - p sqrt(p)^T)(diag(sqrt p) - sqrt(p) p^T) = diag p - p p^T (1^T p = 1).
+    * a scaled identity H_n = c_n I (squared error): S z = sqrt(c_n) z.
+
+    Otherwise H_n is formed densely (M Hessian-vector products batched, M <= MAX_OUTPUT_SIZE)
+    and S_n = Q Lambda^{1/2} from its eigendecomposition; eigenvalues below eps^(2/3) * max are
+    dropped, negative ones beyond that are an error (the GGN would not be positive
+    semi-definite).
+    """
+    out_edge = _edge(root.nodes[0])
+    n = u.shape[root.batch_axis]
+    moved = u.movedim(root.batch_axis, 0)
+    m = moved[0].numel()
+    probe_gen = torch.Generator(device="cpu").manual_seed(0)
+    v = torch.randn(moved.shape, generator=probe_gen, dtype=u.dtype).to(u.device)
+    (hv,) = torch.autograd.grad(
+        [u], [out_edge], [v.movedim(0, root.batch_axis)], retain_graph=True
+    )
+    hv = hv.movedim(root.batch_axis, 0)
+    tol = 100 * torch.finfo(u.dtype).eps ** 0.5 * float(hv.norm())
+
+    probs = _softmax_probabilities(individual_losses, root)
+    if probs is not None:
+        p = probs.movedim(root.batch_axis, 0)
+        for axis in _probability_axes(p):
+            q = p * v - p * (p * v).sum(axis, keepdim=True)
+            qq = q.pow(2).sum(axis, keepdim=True)
+            c = torch.where(qq > 0, (hv * q).sum(axis, keepdim=True) / qq, 0.0)
+            if float((hv - c * q).norm()) <= tol and bool((c >= -tol).all()):
+                return _softmax_root(p, c.clamp_min(0), axis, n)
+    flat_v, flat_hv = v.reshape(n, m), hv.reshape(n, m)
+    c = (flat_hv * flat_v).sum(1, keepdim=True) / flat_v.pow(2).sum(1, keepdim=True)
+    if float((flat_hv - c * flat_v).norm()) <= tol and bool((c >= -tol).all()):
+        root_c = c.clamp_min(0).sqrt()
+        return lambda z: root_c * z
+    return _dense_root(u, root, n, m)
+
+
+def _softmax_probabilities(individual_losses: Tensor, root) -> Tensor | None:
+    """exp of the one log-softmax between the model output and the losses, in the output's
+    layout; None if there is not exactly one, or it is not reached by layout operations."""
+    out_node, out_nr = root.nodes[0] if not isinstance(root.nodes[0], Tensor) else (None, 0)
+    found, seen, queue = [], set(), [individual_losses.grad_fn]
+    while queue and len(seen) < 64:  # the loss's own graph only: stop at the model output
+        node = queue.pop()
+        if node is None or node is out_node or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "LogSoftmaxBackward0":
+            found.append(node)
+        queue.extend(f for f, _ in node.next_functions)
+    if len(found) != 1 or out_node is None:
+        return None
+    log_p, (node, nr) = found[0]._saved_result, found[0].next_functions[0]
+    chain = []
+    while node is not out_node:
+        if type(node).__name__ not in _LAYOUT_NODES or node is None:
+            return None
+        chain.append(node)
+        node, nr = node.next_functions[0]
+    if nr != out_nr:
+        return None
+    for layout in chain:
+        log_p = layout(log_p)
+    return log_p.detach().exp()
+
+
+def _probability_axes(p: Tensor) -> list[int]:
+    """The axes (not the batch axis 0) along which p sums to one everywhere."""
+    tol = 100 * torch.finfo(p.dtype).eps ** 0.5
+    return [a for a in range(1, p.dim()) if bool(((p.sum(a) - 1).abs() <= tol).all())]
+
+
+def _softmax_root(p: Tensor, c: Tensor, axis: int, n: int):
+    sqrt_p, sqrt_c = p.sqrt(), c.sqrt()
+
+    def apply(z: Tensor) -> Tensor:
+        z = z.reshape(p.shape)
+        s = sqrt_c * (sqrt_p * z - p * (sqrt_p * z).sum(axis, keepdim=True))
+        return s.reshape(n, -1)
+
+    return apply
+
+
+def _dense_root(u: Tensor, root, n: int, m: int):
+    if m > MAX_OUTPUT_SIZE:
+        raise ValueError(
+            f"The GGN diagonal forms the loss Hessian w.r.t. each sample's output densely when "
+            f"the loss is not recognised (softmax cross-entropy, squared error); the model "
+            f"output has {m} entries per sample (limit {MAX_OUTPUT_SIZE}). Use "
+            "curvature='diag_h' on a small model."
         )
     out_edge = _edge(root.nodes[0])
-    (u,) = torch.autograd.grad(
-        individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
-    )
-    moved = u.movedim(root.batch_axis, 0)  # [N, ...]
+    moved_shape = u.movedim(root.batch_axis, 0).shape
     eye = torch.eye(m, dtype=u.dtype, device=u.device)
-    probes = eye.reshape(m, 1, *moved.shape[1:]).expand(m, *moved.shape)
+    probes = eye.reshape(m, 1, *moved_shape[1:]).expand(m, *moved_shape)
     probes = probes.movedim(1, root.batch_axis + 1)
     (hess,) = _batched_grad([u], [out_edge], [probes])  # [m, *out_shape]
     hess = hess.movedim(root.batch_axis + 1, 1).reshape(m, n, m).transpose(0, 1)  # [N, m, m]
@@ -191,50 +355,116 @@ def ggn_diagonal(
             "The loss Hessian w.r.t. the model output has negative eigenvalues, so the GGN is "
             "not positive semi-definite and has no square-root factor; use curvature='diag_h'."
         )
-    inv_root = torch.where(lam > cut, lam.clamp_min(cut).rsqrt(), torch.zeros_like(lam))
-    V = Q * inv_root.unsqueeze(1)  # [N, m, m]: column c is v_{n,c}, H_n v_{n,c} = s_{n,c}
-    if mc_samples is None:
-        columns = V.permute(2, 0, 1)  # [m, N, m]
-    else:
-        z = torch.randn(mc_samples, n, m, generator=generator, dtype=V.dtype, device="cpu").to(
-            V.device
-        )
-        columns = torch.einsum("nij,knj->kni", V, z)
-    k = columns.shape[0]
-    columns = columns.reshape(k, *moved.shape).movedim(1, root.batch_axis + 1)
+    S = Q * torch.where(lam > cut, lam, torch.zeros_like(lam)).sqrt().unsqueeze(1)
+    return lambda z: torch.einsum("nij,nj->ni", S, z)
 
-    # One batched backward: every captured module output, for every column.
-    keyed: dict = {}
-    for module_calls in calls.values():
-        for call in module_calls:
-            for node in call.nodes:
-                key = (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
-                keyed.setdefault(key, _edge(node))
-    keys = list(keyed)
-    grads = _batched_grad([u], [keyed[key] for key in keys], [columns])
-    by_key = dict(zip(keys, grads, strict=True))
 
-    total = [torch.zeros_like(p) for p in params]
-    request = Request(sum_sq=True)
-    for c in range(k):
+class _ColumnSums:
+    """sum over columns of sum_n g_{n,d}^2, g_n the per-sample gradient of one backpropagated
+    column, from the columns' gradients w.r.t. the captured module outputs.
+
+    A Linear layer called once per forward without shared axes (input [N, I]) has
+    g_n = delta_n x_n^T, so sum_j sum_n (delta_{j,n}^2)(x_n^2)^T = sum_n (sum_j delta_{j,n}^2)
+    (x_n^2)^T: only sum_j delta_j^2 is accumulated, and one product per step forms the
+    weight's sum (sum_n sum_j delta_{j,n}^2 for the bias). Every other parameter (shared axes,
+    convolutions, tied or adopted weights, other layers) goes through the per-sample engine's
+    rules once per column, restricted to those parameters.
+    """
+
+    def __init__(self, engine, calls: dict, params: list[Tensor], n: int):
+        self.calls, self.params, self.n = calls, params, n
+        keyed: dict = {}
+        for module_calls in calls.values():
+            for call in module_calls:
+                for node in call.nodes:
+                    keyed.setdefault(_key(node), _edge(node))
+        self.keys = list(keyed)
+        self.edges = [keyed[key] for key in self.keys]
+        self.linear: dict = {}  # module -> [call, {param index: name}, running sum_j delta^2]
+        rest = []
+        for k, owners in enumerate(engine.owners):
+            module, name = owners[0] if len(owners) == 1 else (None, None)
+            if not engine.rerouted(k) and _separable_linear(module, name, calls, n):
+                entry = self.linear.setdefault(module, [calls[module][0], {}, None])
+                entry[1][k] = name
+            else:
+                rest.append(k)
+        self.rest = rest
+        self.engine = _restricted_engine(engine, rest) if rest else None
+        self.totals: list[Tensor | None] = [None] * len(params)
+
+    def add(self, grads) -> None:
+        by_key = dict(zip(self.keys, grads, strict=True))
+        with torch.no_grad():
+            for entry in self.linear.values():
+                call = entry[0]
+                d = by_key[_key(call.nodes[0])]
+                if d is not None:
+                    d = d.movedim(call.batch_axis, 0).reshape(self.n, -1)
+                    entry[2] = d * d if entry[2] is None else entry[2].addcmul_(d, d)
+        if self.engine is None:
+            return
         column_calls = {}
-        for module, module_calls in calls.items():
+        for module, module_calls in self.calls.items():
             replaced = []
             for call in module_calls:
                 outs = [None] * len(call.outputs)
                 for i, node in zip(call.node_outputs, call.nodes, strict=True):
-                    key = (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
-                    g = by_key[key]
-                    outs[i] = None if g is None else g[c]
+                    outs[i] = by_key[_key(node)]
                 copy = dataclasses.replace(call)  # (__post_init__ resets grad_outputs)
                 copy.grad_outputs = outs
                 replaced.append(copy)
             column_calls[module] = replaced
-        stats = engine.statistics(column_calls, request, {}, n, 1.0)
-        for t, s in zip(total, stats.sum_sq, strict=True):
-            t.add_(s)
-    scale = 1.0 / n if mc_samples is None else 1.0 / (n * mc_samples)
-    return [t * scale for t in total]
+        stats = self.engine.statistics(column_calls, Request(sum_sq=True), {}, self.n, 1.0)
+        for k, s in zip(self.rest, stats.sum_sq, strict=True):
+            self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
+
+    def result(self) -> list[Tensor]:
+        """The sums, one tensor per parameter (owned by the caller)."""
+        with torch.no_grad():
+            for call, names, sq in self.linear.values():
+                x = call.args[0].movedim(call.batch_axis, 0).reshape(self.n, -1)
+                for k, name in names.items():
+                    if sq is None:
+                        continue
+                    self.totals[k] = torch.mm(sq.t(), x * x) if name == "weight" else sq.sum(0)
+        return [
+            t if t is not None else torch.zeros_like(p)
+            for t, p in zip(self.totals, self.params, strict=True)
+        ]
+
+
+def _key(node) -> tuple:
+    return (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
+
+
+def _separable_linear(module, name, calls, n: int) -> bool:
+    """An nn.Linear (its own forward) called once, on an input [N, I] (no shared axes)."""
+    if not isinstance(module, nn.Linear) or type(module).forward is not nn.Linear.forward:
+        return False
+    if name not in ("weight", "bias") or len(calls.get(module, [])) != 1:
+        return False
+    call = calls[module][0]
+    x = call.args[0] if call.args else None
+    return (
+        isinstance(x, Tensor)
+        and len(call.nodes) == 1
+        and x.dim() > call.batch_axis
+        and x.shape[call.batch_axis] == n
+        and x.numel() == n * module.in_features
+    )
+
+
+_RESTRICTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _restricted_engine(engine, indices: list[int]):
+    """``engine.restricted(indices)``, cached per engine and routing."""
+    cache = _RESTRICTED.setdefault(engine, {})
+    key = (tuple(indices), tuple(engine.rerouted(k) for k in indices))
+    if key not in cache:
+        cache[key] = engine.restricted(indices)
+    return cache[key]
 
 
 # ------------------------------------------------------------------------------ Hessian diagonal

@@ -16,6 +16,7 @@ from avionics.persample import PerSampleEngine, Request
 def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     """Run one captured forward/backward and return (statistics, brute-force g_n, grads)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
     engine = PerSampleEngine(model, params)
     capture = engine.capture()
     capture.arm()
@@ -210,3 +211,31 @@ def test_in_place_modification_of_a_captured_input_is_an_error():
     model, X, y, loss_fn = classification(Mutates(), (3,))
     with pytest.raises(RuntimeError, match="input of module 'add' was modified in place"):
         engine_statistics(model, X, y, loss_fn)
+
+
+def test_a_position_table_looked_up_without_the_batch_axis():
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok = nn.Embedding(7, 4)
+            self.pos = nn.Embedding(5, 4)
+            self.out = nn.Linear(4, 7)
+
+        def forward(self, idx):
+            positions = torch.arange(idx.shape[1])  # [T]: no batch axis
+            return self.out(torch.tanh(self.tok(idx) + self.pos(positions)))
+
+    torch.manual_seed(4)
+    model = Positions().double()
+    assert_exact(model, torch.randint(0, 7, (3, 5)), torch.randint(0, 7, (3, 5)), seq_ce)
+
+
+def test_wide_layers_take_the_gram_form_of_the_mean_projection():
+    model = nn.Sequential(nn.Linear(20, 30), nn.ReLU(), nn.Linear(30, 3))
+    model, X, y, loss_fn = classification(model, (20,))
+    from avionics.persample.rules.bilinear import Bilinear
+
+    layer = Bilinear(torch.randn(3, 1, 1, 20), torch.randn(3, 1, 1, 30), torch.Size([30, 20]))
+    assert layer._mean_projection_by_gram()
+    for reduction in ("mean", "sum"):
+        assert_exact(model, X, y, loss_fn, reduction)

@@ -81,6 +81,11 @@ def batch_first(t: Tensor, axis: int, n: int, where: str) -> Tensor:
     return t.movedim(axis, 0)
 
 
+def concatenate(tensors: list[Tensor], axis: int) -> Tensor:
+    """``torch.cat`` that does not copy the tensor of a module called once per forward."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, axis)
+
+
 def output_gradient(call: ModuleCall, index: int = 0) -> Tensor:
     """The gradient w.r.t. output ``index`` of a call (zeros where none arrived)."""
     g = call.grad_outputs[index]

@@ -9,9 +9,11 @@ with t over the shared axes (sequence positions, spatial locations). Then
     ||G_n||^2    = sum_{g,t,s} (delta_t . delta_s)(x_t . x_s)        (Gram, cost N G T^2 (I+O))
                  = sum_g ||delta_{n,g}||^2 ||x_{n,g}||^2              (T = 1, cost N G (I+O))
     G_n . V      = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t})          (cost N G T I O)
+    G_n . g      = mean_m K_nm,  K_nm = G_n . G_m                      (T = 1, cost N^2 G (I+O))
     sum_n G_n^2  = sum_n (delta_n^2)(x_n^2)^T                         (T = 1 only)
 
-and materialising G_n costs N G T I O. :func:`bilinear_statistics` picks the cheaper path.
+for the mean gradient g = mean_m G_m, and materialising G_n costs N G T I O.
+:meth:`Bilinear.statistics` picks the cheapest path.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from avionics.persample.request import Accumulator, Request
+from avionics.persample.request import MEAN_GRADIENT, Accumulator, Request
 from avionics.persample.rules.base import Rule, chunk_size
 
 
@@ -30,6 +32,7 @@ class Bilinear:
         self.x, self.delta, self.weight_shape = x, delta, weight_shape
         self.n, self.groups, self.t, self.i = x.shape
         self.o = delta.shape[-1]
+        self._gram_matrix: Tensor | None = None
 
     def materialize(self, start: int, stop: int) -> Tensor:
         g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], self.x[start:stop])
@@ -51,7 +54,9 @@ class Bilinear:
         x, d = self.x, self.delta
         out: dict = {}
         if request.sq_norms:
-            if self.t == 1:
+            if self.t == 1 and MEAN_GRADIENT in directions and self._mean_projection_by_gram():
+                out["sq_norms"] = self._gram().diagonal()
+            elif self.t == 1:
                 out["sq_norms"] = (d.pow(2).sum(-1) * x.pow(2).sum(-1)).sum((1, 2))
             else:
                 dd = torch.einsum("ngto,ngso->ngts", d, d)
@@ -60,12 +65,39 @@ class Bilinear:
         if directions:
             out["projections"] = {}
             for name, v in directions.items():
-                vg = v.reshape(self.groups, self.o, self.i)
-                out["projections"][name] = torch.einsum("ngti,goi,ngto->n", x, vg, d)
+                if name == MEAN_GRADIENT and self._mean_projection_by_gram():
+                    out["projections"][name] = self._gram().mean(1)
+                else:
+                    v = v.reshape(self.groups, self.o, self.i)
+                    out["projections"][name] = self._projection(v)
         if request.sum_sq:  # t == 1 here
             s = torch.einsum("ngo,ngi->goi", d[:, :, 0].pow(2), x[:, :, 0].pow(2))
             out["sum_sq"] = s.reshape(self.weight_shape)
         return out
+
+    def _mean_projection_by_gram(self) -> bool:
+        """Whether g_n . g is cheaper from the Gram matrix: N^2 G (I+O) < N G I O (T = 1)."""
+        return self.t == 1 and self.n * (self.i + self.o) < self.i * self.o
+
+    def _gram(self) -> Tensor:
+        """K_nm = G_n . G_m = sum_g (delta_{n,g} . delta_{m,g}) (x_{n,g} . x_{m,g}) for T = 1.
+
+        Since g = mean_m G_m, g_n . g = mean_m K_nm and ||G_n||^2 = K_nn.
+        """
+        if self._gram_matrix is None:
+            d, x = self.delta[:, :, 0], self.x[:, :, 0]
+            dd = torch.einsum("ngo,mgo->gnm", d, d)
+            xx = torch.einsum("ngi,mgi->gnm", x, x)
+            self._gram_matrix = (dd * xx).sum(0)
+        return self._gram_matrix
+
+    def _projection(self, v: Tensor) -> Tensor:
+        """G_n . V = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t}), V mapped onto the smaller side."""
+        if self.o <= self.i:
+            mapped = torch.einsum("ngti,goi->ngto", self.x, v)
+            return (mapped * self.delta).sum((1, 2, 3))
+        mapped = torch.einsum("ngto,goi->ngti", self.delta, v)
+        return (mapped * self.x).sum((1, 2, 3))
 
     def total(self) -> Tensor:
         return torch.einsum("ngto,ngti->goi", self.delta, self.x).reshape(self.weight_shape)

@@ -2,8 +2,9 @@
 
 Unfolding the input turns a convolution into a grouped linear map over the output locations
 t: y_{g,t} = W_g x^unf_{g,t} + b, so its per-sample gradients have the closed forms of
-:mod:`bilinear`. The unfolding itself is a convolution with a one-hot kernel per kernel
-position (groups = input channels), which works for any number of spatial dimensions.
+:mod:`bilinear`. The unfolding is ``F.unfold`` (im2col) for 2d convolutions; other dimensions use a
+convolution with a one-hot kernel per kernel position (groups = input channels), which gives
+the same columns for any number of spatial dimensions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from avionics.persample.rules.base import batch_first, output_gradient
+from avionics.persample.rules.base import batch_first, concatenate, output_gradient
 from avionics.persample.rules.bilinear import BilinearRule
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -24,9 +25,12 @@ def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     """[N, C, *spatial] -> [N, C * prod(kernel), L] with the layout of the weight's columns."""
     dims = len(module.kernel_size)
     padding = module.padding
-    if module.padding_mode != "zeros":
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+    if module.padding_mode != "zeros" or isinstance(padding, str):  # "same", "valid" too
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
         padding = 0
+    if dims == 2:
+        return F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
     channels, k = x.shape[1], math.prod(module.kernel_size)
     eye = torch.eye(k, dtype=x.dtype, device=x.device).reshape(k, 1, *module.kernel_size)
     kernel = eye.repeat(channels, 1, *([1] * dims))
@@ -45,5 +49,5 @@ class ConvRule(BilinearRule):
             cols = unfold(module, x)  # [N, C*K, L]
             xs.append(cols.reshape(n, groups, -1, cols.shape[-1]).transpose(2, 3))
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
-        self.x = torch.cat(xs, 2)  # [N, G, T, (C/G) K]
-        self.delta = torch.cat(ds, 2) * scale  # [N, G, T, O/G]
+        self.x = concatenate(xs, 2)  # [N, G, T, (C/G) K]
+        self.delta = concatenate(ds, 2) * scale  # [N, G, T, O/G]

@@ -6,10 +6,9 @@ t): grad W = sum_t delta_t x_t^T and grad b = sum_t delta_t (see :mod:`bilinear`
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from avionics.persample.rules.base import batch_first, output_gradient
+from avionics.persample.rules.base import batch_first, concatenate, output_gradient
 from avionics.persample.rules.bilinear import BilinearRule
 
 
@@ -22,5 +21,5 @@ class LinearRule(BilinearRule):
             d = batch_first(output_gradient(call), call.batch_axis, n, "Linear output")
             xs.append(x.reshape(n, -1, x.shape[-1]))
             ds.append(d.reshape(n, -1, d.shape[-1]))
-        self.x = torch.cat(xs, 1).unsqueeze(1)  # [N, 1 group, T, in]
-        self.delta = (torch.cat(ds, 1) * scale).unsqueeze(1)  # [N, 1 group, T, out]
+        self.x = concatenate(xs, 1).unsqueeze(1)  # [N, 1 group, T, in]
+        self.delta = (concatenate(ds, 1) * scale).unsqueeze(1)  # [N, 1 group, T, out]

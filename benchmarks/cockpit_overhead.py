@@ -1,0 +1,303 @@
+"""Overhead of the cockpit: an instrumented training step divided by a plain one.
+
+For every problem of :mod:`benchmarks.problems` and every configuration (each quantity alone,
+and all of them together), two identical copies of the model train side by side with plain
+SGD: one plainly, one inside ``with cockpit(step, info)`` with every step tracked. Steps
+alternate (plain, instrumented, plain, ...) so that machine noise hits both alike; the time
+ratio is median(instrumented) / median(plain) over the timed steps after a warm-up. While a
+plain step runs, the cockpit's capture hook is disarmed, so the plain step runs with no hook at
+all. The reference tool (cockpit-for-pytorch, on a BackPACK-extended copy) is timed the same
+way against its own plain copy, where it is installed and can run the problem.
+
+Peak memory: the growth of the RSS high-water of a fresh process per configuration over three
+steps (see the section text in BENCHMARKS.md).
+
+Run: ``python -m benchmarks.cockpit_overhead`` (all; about ten minutes on two cores), or e.g.
+``python -m benchmarks.cockpit_overhead --problems mlp --quantities NormTest --no-write``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from avionics import Cockpit, quantities
+from benchmarks.problems import PROBLEMS
+from benchmarks.report import machine, table, write_section
+
+QUANTITIES = [
+    "Loss", "GradNorm", "Distance", "UpdateSize", "Time", "Parameters",
+    "NormTest", "InnerTest", "OrthoTest", "MeanGSNR", "CABS", "EarlyStopping",
+]  # fmt: skip
+GRADIENT_TESTS = ["NormTest", "InnerTest", "OrthoTest"]
+ALL = "all together"
+# All but Parameters, whose copy of every parameter is converted to Python lists each step.
+ALL_BUT_PARAMETERS = "all but Parameters"
+LR = 1e-3
+TIME_TARGET = {**{q: 1.3 for q in GRADIENT_TESTS}, ALL: 1.6, ALL_BUT_PARAMETERS: 1.6}
+MEMORY_TARGET = 1.5
+# Configurations whose peak memory is measured (the ones with per-sample statistics).
+MEMORY_CONFIGS = ["NormTest", ALL]
+
+
+# ------------------------------------------------------------------------------------ tools
+class Tool:
+    """One instrumented training loop: ``step(k, X, y)`` runs training step k."""
+
+    def __init__(self, model, loss_fn, names):
+        self.model, self.loss_fn = model, loss_fn
+        self.opt = torch.optim.SGD(model.parameters(), lr=LR)
+
+    def plain_step(self, X, y) -> None:
+        self.opt.zero_grad()
+        self.loss_fn(self.model(X), y).mean().backward()
+        self.opt.step()
+
+    def pause(self) -> None:
+        """Called before a plain step of the other copy runs."""
+
+    def resume(self) -> None:
+        """Called after it."""
+
+
+class Avionics(Tool):
+    def __init__(self, model, loss_fn, names):
+        super().__init__(model, loss_fn, names)
+        self.cockpit = Cockpit(model, [getattr(quantities, q)() for q in names])
+
+    def step(self, k, X, y) -> None:
+        self.opt.zero_grad()
+        losses = self.loss_fn(self.model(X), y)
+        loss = losses.mean()
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
+                "optimizer": self.opt}  # fmt: skip
+        with self.cockpit(k, info):
+            loss.backward(create_graph=self.cockpit.create_graph(k))
+        self.opt.step()
+
+    # The capture is armed between tracked steps; the plain copy's steps run without its hook.
+    def pause(self) -> None:
+        if self.cockpit._capture is not None:
+            self.cockpit._capture.disarm()
+
+    def resume(self) -> None:
+        if self.cockpit._capture is not None:
+            self.cockpit._capture.arm()
+
+
+class Reference(Tool):
+    """cockpit-for-pytorch with its own quantities on a BackPACK-extended model and loss."""
+
+    def __init__(self, model, loss_fn, names):
+        import cockpit
+        from backpack import extend
+        from cockpit.utils import schedules
+
+        super().__init__(model, loss_fn, names)
+        self.model = extend(model)
+        self.extended_loss = extend(nn.CrossEntropyLoss())
+        every = schedules.linear(1)
+        qs = [getattr(cockpit.quantities, q)(track_schedule=every) for q in names]
+        self.cockpit = cockpit.Cockpit(list(model.parameters()), quantities=qs)
+
+    def step(self, k, X, y) -> None:
+        self.opt.zero_grad()
+        out = self.model(X)
+        loss = self.extended_loss(out, y)
+        with torch.no_grad():
+            losses = self.loss_fn(out, y)
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
+                "optimizer": self.opt}  # fmt: skip
+        with self.cockpit(k, info=info):
+            loss.backward(create_graph=self.cockpit.create_graph(k))
+        self.opt.step()
+
+
+def reference_available() -> str | None:
+    """None if cockpit-for-pytorch can be used, else why not."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import backpack  # noqa: F401
+            import cockpit  # noqa: F401
+    except Exception as error:  # not installed, or its pkg_resources import fails
+        return f"not installed ({type(error).__name__}: {error})"
+    return None
+
+
+def reference_refuses(problem: str) -> str | None:
+    """Why the reference tool cannot run a problem (BackPACK's per-sample extensions)."""
+    if problem == "gpt":
+        return (
+            "BackPACK has no per-sample rules for nn.MultiheadAttention, LayerNorm and tied "
+            "weights, and its extended CrossEntropyLoss takes [N, C] outputs only"
+        )
+    return None
+
+
+# ------------------------------------------------------------------------------ measuring
+def time_ratio(problem, tool_cls, names, steps, warmup, budget_s):
+    """(median instrumented / median plain step time, timed steps)."""
+    model, X, y, loss_fn = PROBLEMS[problem]()
+    plain = Tool(copy.deepcopy(model), loss_fn, names)
+    tool = tool_cls(model, loss_fn, names)
+    t_plain, t_tool = [], []
+    start = time.perf_counter()
+    for k in range(warmup + steps):
+        tool.pause()
+        t0 = time.perf_counter()
+        plain.plain_step(X, y)
+        t1 = time.perf_counter()
+        tool.resume()
+        tool.step(k, X, y)
+        t2 = time.perf_counter()
+        if k >= warmup:
+            t_plain.append(t1 - t0)
+            t_tool.append(t2 - t1)
+            if time.perf_counter() - start > budget_s and len(t_tool) >= 5:
+                break
+    return statistics.median(t_tool) / statistics.median(t_plain), len(t_tool)
+
+
+def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> None:
+    """In a fresh process: print the RSS high-water of imports alone and after ``steps``."""
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore")
+    tool_cls = {"plain": None, "avionics": Avionics, "reference": Reference}[tool]
+    if tool_cls is Reference:
+        reference_available()  # import it before the baseline is taken
+    with open("/proc/self/statm") as statm:  # resident pages now, in KiB like ru_maxrss
+        baseline = int(statm.read().split()[1]) * resource.getpagesize() // 1024
+    model, X, y, loss_fn = PROBLEMS[problem]()
+    names = _names(config)
+    if tool_cls is None:
+        runner = Tool(model, loss_fn, names)
+        for _ in range(steps):
+            runner.plain_step(X, y)
+    else:
+        runner = tool_cls(model, loss_fn, names)
+        for k in range(steps):
+            runner.step(k, X, y)
+    print(baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+
+
+def peak_memory(problem: str, tool: str, config: str, threads: int, steps: int = 3) -> int:
+    """Bytes the process's RSS high-water grows by over ``steps`` steps (fresh process)."""
+    command = [sys.executable, "-m", "benchmarks.cockpit_overhead", "--probe", problem, tool,
+               config, "--steps", str(steps), "--threads", str(threads)]  # fmt: skip
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    baseline, peak = map(int, out.split()[-2:])
+    return max(1, peak - baseline) * 1024  # ru_maxrss is in KiB on Linux
+
+
+# --------------------------------------------------------------------------------- report
+def _names(config: str) -> list[str]:
+    if config == ALL:
+        return QUANTITIES
+    if config == ALL_BUT_PARAMETERS:
+        return [q for q in QUANTITIES if q != "Parameters"]
+    return [config]
+
+
+def _mark(value: float, target: float | None) -> str:
+    if target is None:
+        return f"{value:.2f}"
+    return f"{value:.2f}" + ("" if value <= target else " (over)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--quantities", nargs="+", default=QUANTITIES + [ALL, ALL_BUT_PARAMETERS],
+                        help=f"names from {QUANTITIES}, or 'all' for all together")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--reference-budget",
+        type=float,
+        default=3.0,
+        help="seconds of timed steps per reference configuration (min 5 steps)",
+    )
+    parser.add_argument("--no-reference", action="store_true")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--probe", nargs=3, metavar=("PROBLEM", "TOOL", "CONFIG"),
+                        help=argparse.SUPPRESS)  # fmt: skip
+    args = parser.parse_args(argv)
+    if args.probe:
+        return _probe(*args.probe, steps=args.steps, threads=args.threads)
+    configs = [ALL if q in ("all", ALL) else q for q in args.quantities]
+    torch.set_num_threads(args.threads)
+    warnings.filterwarnings("ignore")
+    why_not = "switched off" if args.no_reference else reference_available()
+
+    rows, notes = [], []
+    started = time.perf_counter()
+    for problem in args.problems:
+        refused = why_not or reference_refuses(problem)
+        if refused and not why_not:
+            notes.append(f"reference tool on {problem}: cannot run ({refused})")
+        plain_memory = None if args.no_memory else peak_memory(problem, "plain", ALL, args.threads)
+        for config in configs:
+            names = _names(config)
+            measure_memory = plain_memory is not None and config in MEMORY_CONFIGS
+            ours, _ = time_ratio(problem, Avionics, names, args.steps, args.warmup, 1e9)
+            mem = ref = ref_mem = "-"
+            if measure_memory:
+                ratio = peak_memory(problem, "avionics", config, args.threads) / plain_memory
+                mem = _mark(ratio, MEMORY_TARGET)
+            if not refused:
+                r, n_ref = time_ratio(problem, Reference, names, args.steps, args.warmup,
+                                      args.reference_budget)  # fmt: skip
+                ref = f"{r:.2f}" + ("" if n_ref >= args.steps else f" ({n_ref} steps)")
+                if measure_memory:
+                    ratio = peak_memory(problem, "reference", config, args.threads)
+                    ref_mem = f"{ratio / plain_memory:.2f}"
+            row = [problem, config, _mark(ours, TIME_TARGET.get(config)), ref, mem, ref_mem]
+            rows.append(row)
+            print(" | ".join(str(c) for c in row), flush=True)
+    elapsed = time.perf_counter() - started
+
+    header = ["problem", "quantities", "time ours", "time reference", "memory ours",
+              "memory reference"]  # fmt: skip
+    markdown = "\n\n".join(
+        [
+            "## Cockpit overhead (instrumented step / plain step)",
+            machine() + f"; {elapsed / 60:.1f} min for this table.",
+            f"Every step tracked; median of {args.steps} timed steps after {args.warmup} "
+            "warm-up steps, plain and instrumented steps alternating on two copies of the "
+            "model (SGD, lr 1e-3), synthetic data, batch 128 (GPT: 32 sequences of 64 "
+            "tokens). Targets: each gradient test <= 1.3x, all together <= 1.6x, peak "
+            "memory <= 1.5x; '(over)' marks a miss. The reference tool is timed with at most "
+            f"{args.reference_budget:g} s of steps per cell (at least 5; fewer than "
+            f"{args.steps} are noted).",
+            "Peak memory: each configuration runs three steps in a fresh process; its memory is "
+            "the process's RSS high-water (`ru_maxrss`) at the end minus its RSS just before "
+            "the model is built, i.e. model, data, activations, gradients and the "
+            "tool's own tensors at their peak, without the interpreter and libraries; the ratio "
+            "divides by the same for plain steps. Measured for the configurations that compute "
+            f"per-sample statistics ({', '.join(MEMORY_CONFIGS)}); the others keep at most a "
+            "copy or two of the parameters. tracemalloc is not used: it does not see torch's "
+            "CPU allocations.",
+            table(header, rows),
+            "\n".join(f"* {note}" for note in notes),
+        ]
+    )
+    if args.no_write:
+        print(markdown)
+    else:
+        write_section("cockpit-overhead", markdown)
+
+
+if __name__ == "__main__":
+    main()
