@@ -69,6 +69,7 @@ class Cockpit:
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
         self._capture = None
         self._writer = None
+        self._described_training = False
         if log is not None:
             from avionics.records import RunWriter
 
@@ -194,7 +195,20 @@ class Cockpit:
             )
         return _reduction(loss.detach(), losses.detach()), len(losses)
 
+    def _describe_training(self, info: dict, n: int | None) -> None:
+        """Add the optimizer and batch size to the log's metadata, once they are known."""
+        from avionics.records.metadata import describe_optimizer
+
+        optimizer = info.get("optimizer")
+        if optimizer is not None:
+            self._writer.update_metadata(
+                {"optimizer": describe_optimizer(optimizer), "batch_size": n}
+            )
+            self._described_training = True
+
     def _compute(self, step, info, active, request, capture, gradients, reduction, n):
+        if self._writer is not None and not self._described_training:
+            self._describe_training(info, n)
         scale = n if reduction == "mean" else 1
         grads = [
             p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params
@@ -245,6 +259,7 @@ class Cockpit:
             "avionics": avionics.__version__,
             "torch": torch.__version__,
             "model": type(self.model).__name__,
+            "summary": repr(self.model),
             "parameters": {name: list(p.shape) for name, p in zip(self.param_names, self.params)},
             "quantities": [q.describe() for q in self.quantities],
         }
