@@ -37,8 +37,18 @@ def _read(run: str):
 def _demo(args) -> int:
     from avionics.demo import run_demo
 
-    run_demo(Path(args.out), steps=args.steps, progress=not args.quiet)
+    out = Path(args.out) if args.out else _fresh_folder(Path("avionics-demo"))
+    run_demo(out, steps=args.steps, progress=not args.quiet)
     return 0
+
+
+def _fresh_folder(base: Path) -> Path:
+    """``base``, or ``base-2``, ``base-3``, ... : the first that does not exist yet."""
+    candidate, k = base, 1
+    while candidate.exists():
+        k += 1
+        candidate = base.with_name(f"{base.name}-{k}")
+    return candidate
 
 
 def _plot(args) -> int:
@@ -106,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dashboards and print a diagnosis of each.",
     )
     demo.add_argument(
-        "--out", default="avionics-demo", help="output folder (default: %(default)s)"
+        "--out", help="output folder (default: avionics-demo, or avionics-demo-2, ... if taken)"
     )
     demo.add_argument(
         "--steps", type=int, default=200, help="training steps per run (default: %(default)s)"

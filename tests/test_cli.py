@@ -135,3 +135,13 @@ def test_demo_trains_draws_and_tells_the_runs_apart(tmp_path, capsys):
     good = {f.check for f in findings["good-lr"]}
     assert {"edge_of_stability", "step_size_too_large"} <= too_large
     assert not good & {"edge_of_stability", "step_size_too_large", "non_finite_values"}
+
+
+def test_the_default_demo_folder_is_never_overwritten(tmp_path, monkeypatch):
+    from avionics.cli import _fresh_folder
+
+    monkeypatch.chdir(tmp_path)
+    assert _fresh_folder(Path("avionics-demo")) == Path("avionics-demo")
+    (tmp_path / "avionics-demo").mkdir()
+    (tmp_path / "avionics-demo-2").mkdir()
+    assert _fresh_folder(Path("avionics-demo")) == Path("avionics-demo-3")
