@@ -20,6 +20,7 @@ contributions, and reduced, because ||a + b||^2 is not ||a||^2 + ||b||^2.
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
@@ -116,7 +117,11 @@ class PerSampleEngine:
         for module, module_names in names.items():
             for call in calls[module]:
                 call.check_inputs_unchanged(self._names[module] or "the model")
-            rules[module] = _build_rule(module, calls[module], module_names, n, scale, self)
+            with self._naming(module):
+                rule = rule_for(module, module_names)(
+                    module, calls[module], module_names, n, scale
+                )
+            rules[module] = rule
         return rules
 
     # ----------------------------------------------------------------------------------------
@@ -145,7 +150,9 @@ class PerSampleEngine:
                     )
                     indices.append(k)
                 for k, result in zip(
-                    indices, rule.statistics(_visitors_at(requests, indices), dirs), strict=True
+                    indices,
+                    self._statistics(rule, _visitors_at(requests, indices), dirs),
+                    strict=True,
                 ):
                     if len(contributions[k]) == 1:
                         per_param[k] = result
@@ -156,6 +163,10 @@ class PerSampleEngine:
                     per_param[k] = _zero_statistics(self.params[k], request, directions, n, k)
         return _collect(per_param, request)
 
+    def _statistics(self, rule: Rule, requests: list[Request], directions) -> list[dict]:
+        with self._naming(rule.module):
+            return rule.statistics(requests, directions)
+
     def _summed_statistics(self, k, pairs, rules, request, directions, n) -> dict:
         p = self.params[k]
         acc = Accumulator(request, {d: directions[d][k] for d in request.directions}, k)
@@ -165,7 +176,8 @@ class PerSampleEngine:
             chunk = 0
             for module, name in pairs:
                 rule = rules[module]
-                chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
+                with self._naming(module):
+                    chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
             acc.add(chunk)
         return acc.result()
 
@@ -184,7 +196,10 @@ class PerSampleEngine:
         with torch.no_grad():
             contributions = self._contributions(calls, n)
             rules = self._rules(calls, contributions, n, scale)
-            totals = {m: rule.total() for m, rule in rules.items()}
+            totals = {}
+            for module, rule in rules.items():
+                with self._naming(module):
+                    totals[module] = rule.total()
             # absolute slack relative to the whole gradient: a parameter whose gradient is
             # zero up to rounding (a bias before BatchNorm) must not fail the check
             total_norm = sum(g.norm() ** 2 for g in gradients if g is not None) ** 0.5 * scale
@@ -208,19 +223,24 @@ class PerSampleEngine:
                     self._from_root.add(k)
         self._checked_pattern = self._pattern(calls)
 
+    @contextmanager
+    def _naming(self, module: nn.Module):
+        """Re-raise a rule's error with the module it failed on."""
+        try:
+            yield
+        except (RuntimeError, NotImplementedError, ValueError) as error:
+            if str(error).startswith("Module '"):
+                raise
+            name = self._names[module] or "the model"
+            raise type(error)(
+                f"Module '{name}' ({type(module).__name__}): the per-sample engine cannot "
+                f"compute its per-sample gradients: {error}"
+            ) from error
+
     def _param_name(self, k: int) -> str:
         module, name = self.owners[k][0]
         prefix = self._names[module]
         return f"{prefix}.{name}" if prefix else name
-
-
-def _build_rule(module, calls, names, n, scale, engine) -> Rule:
-    try:
-        return rule_for(module, names)(module, calls, names, n, scale)
-    except NotImplementedError as error:
-        raise NotImplementedError(
-            f"Module '{engine._names[module] or 'the model'}' ({type(module).__name__}): {error}"
-        ) from error
 
 
 def _visitors_at(requests: list[Request], indices: list[int]) -> list[Request]:

@@ -239,3 +239,39 @@ def test_wide_layers_take_the_gram_form_of_the_mean_projection():
     assert layer._mean_projection_by_gram()
     for reduction in ("mean", "sum"):
         assert_exact(model, X, y, loss_fn, reduction)
+
+
+def test_a_module_the_engine_cannot_handle_is_named():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            self.calls.add_(1)  # state mutated in forward: no functional transform can replay it
+            return x * self.weight
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = Counting()
+
+        def forward(self, x):
+            return self.scale(x)
+
+    model, X, y, loss_fn = classification(Model(), (3,))
+    with pytest.raises(RuntimeError, match="Module 'scale' \\(Counting\\)"):
+        engine_statistics(model, X, y, loss_fn)
+
+
+def test_embedding_that_scales_by_frequency_is_refused_by_name():
+    model = nn.Sequential(
+        nn.Embedding(5, 3, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(6, 2)
+    )
+    torch.manual_seed(0)
+    model = model.double()
+    with pytest.raises(
+        NotImplementedError, match="Module '0' \\(Embedding\\).*scale_grad_by_freq"
+    ):
+        engine_statistics(model, torch.randint(0, 5, (3, 2)), torch.randint(0, 2, (3,)), ce)

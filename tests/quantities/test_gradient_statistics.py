@@ -166,3 +166,20 @@ def test_gradients_are_bit_identical_with_and_without_the_cockpit():
     loss_fn(twin(X), y).mean().backward()
     for p, q in zip(model.parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad)
+
+
+def test_a_subset_of_the_parameters():
+    model, X, y, loss_fn = models.transformer(n=3)
+    subset = [model.block.attn.in_proj_weight, model.tok.weight, model.ln.bias]
+    cockpit = Cockpit(model, [quantities.NormTest(), quantities.GradNorm()], params=subset)
+    G = torch.cat(
+        [g.reshape(3, -1) for g in models.per_sample_gradients(model, X, y, loss_fn, subset)], 1
+    )
+    g = G.mean(0)
+    expected = ((G - g).pow(2).sum() / (2 * 3 * g @ g)).sqrt()
+    losses = loss_fn(model(X), y)
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
+        losses.mean().backward()
+    out = cockpit.get_output()[0]
+    assert out["NormTest"] == pytest.approx(float(expected), rel=1e-10)
+    assert out["GradNorm"] == pytest.approx([float(p.grad.norm()) for p in subset], rel=1e-12)
