@@ -1,0 +1,61 @@
+"""Curvature of a network's loss over a data set, as matrix-free linear operators (SPEC 4).
+
+Every operator is a :class:`CurvatureLinearOperator`: ``A @ X`` on flat vectors and matrices,
+lists of per-parameter tensors and NumPy arrays; lazy ``A + B``, ``A - B``, ``c * A``,
+``A @ B``, ``A.adjoint()``; ``A.to_scipy()``. The algorithms (:mod:`.algorithms`) take any
+operator or dense tensor.
+"""
+
+from avionics.curvature.activation_hessian import ActivationHessianOperator
+from avionics.curvature.algorithms import (
+    CGResult,
+    EigenResult,
+    SpectralDensity,
+    bottom_eigenpairs,
+    conjugate_gradient,
+    frobenius_norm_squared,
+    hutchinson_diagonal,
+    hutchinson_trace,
+    hutchpp_trace,
+    neumann_inverse,
+    spectral_density,
+    top_eigenpairs,
+    xdiag,
+    xtrace,
+)
+from avionics.curvature.base import CurvatureLinearOperator, IdentityOperator
+from avionics.curvature.ef import EFOperator
+from avionics.curvature.ggn import GGNOperator
+from avionics.curvature.hessian import HessianOperator
+from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOperator
+from avionics.curvature.kfac import EKFACOperator, KFACInverseOperator, KFACOperator
+from avionics.curvature.mc_fisher import MCFisherOperator
+
+__all__ = [
+    "ActivationHessianOperator",
+    "CGResult",
+    "EigenResult",
+    "SpectralDensity",
+    "bottom_eigenpairs",
+    "conjugate_gradient",
+    "frobenius_norm_squared",
+    "hutchinson_diagonal",
+    "hutchinson_trace",
+    "hutchpp_trace",
+    "neumann_inverse",
+    "spectral_density",
+    "top_eigenpairs",
+    "xdiag",
+    "xtrace",
+    "CurvatureLinearOperator",
+    "EFOperator",
+    "EKFACOperator",
+    "GGNOperator",
+    "HessianOperator",
+    "IdentityOperator",
+    "JacobianOperator",
+    "KFACInverseOperator",
+    "KFACOperator",
+    "MCFisherOperator",
+    "TransposedJacobianOperator",
+]

@@ -1,0 +1,385 @@
+"""The machinery shared by the operators that are defined by a model, a loss and a data set.
+
+A curvature operator represents a matrix summed over the batches of a data set. With the loss
+of batch b, L_b = loss_fn(f(theta, X_b), y_b), reduced by its own ``reduction``, the data-set
+loss is
+
+    L(theta) = sum_b w_b L_b(theta),   w_b = B_b / N  ("mean"),   w_b = 1  ("sum"),   (1)
+
+(B_b the batch size, N the number of data), which is the mean (sum) of the per-sample losses
+over the whole data set. Every operator on (1) is the w_b-weighted sum of its per-batch
+matrices; subclasses implement the product of one batch's matrix, :meth:`_matmat_batch`.
+
+Each pass over the data runs with PyTorch's math kernel for ``scaled_dot_product_attention``,
+whose double backward exists (the default fused CPU kernels have none), and without the fused
+fast path of ``nn.MultiheadAttention`` (no forward-mode derivatives), so that curvature products
+through attention just work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, grad_and_value, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+from avionics.curvature.base import CurvatureLinearOperator
+
+ModelFunction = Callable[..., Tensor]
+ColumnProduct = Callable[[list[Tensor]], list[Tensor]]
+Batch = tuple[Tensor | Mapping, Tensor]
+
+DETERMINISM_RTOL, DETERMINISM_ATOL = 1e-5, 1e-7
+
+
+@contextmanager
+def math_attention():
+    """Attention that automatic differentiation can go through in every mode.
+
+    Selects the math kernel of ``scaled_dot_product_attention`` (the fused CPU kernels have no
+    double backward) and turns off the fast path of ``nn.MultiheadAttention`` (a fused kernel
+    without forward-mode derivatives, taken whenever autograd is not recording).
+    """
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+
+@contextmanager
+def functional_pass():
+    """The context of a torch.func pass: math attention, and no autograd graph outside the
+    transforms (the module's own parameters that are not differentiated may require grad)."""
+    with torch.no_grad(), math_attention():
+        yield
+
+
+def map_columns(
+    product: Callable[[list[Tensor]], list[Tensor]], M: list[Tensor], chunk_size: int | None
+) -> list[Tensor]:
+    """Apply a vector map to every column of ``M`` (leading axis), all columns at once.
+
+    ``product`` maps a list of tensors (one vector) to a list of tensors. The columns are
+    mapped in parallel with ``torch.func.vmap``, ``chunk_size`` at a time to bound memory.
+    """
+    if chunk_size is not None and len(M[0]) <= chunk_size:
+        chunk_size = None  # one chunk: skip vmap's concatenation of chunk outputs
+    return vmap(product, chunk_size=chunk_size)(M)
+
+
+def _relative_difference(a: list[Tensor], b: list[Tensor]) -> float:
+    diff = sum((x - y).square().sum() for x, y in zip(a, b)).sqrt()
+    scale = sum(x.square().sum() for x in a).sqrt()
+    return float(diff / scale.clamp_min(DETERMINISM_ATOL))
+
+
+class ModelDataOperator(CurvatureLinearOperator):
+    """A curvature operator of a model (and loss) over a data set of (X, y) batches.
+
+    Args:
+        model: An ``nn.Module`` called as ``model(X)``, or a function ``model(params, X)``
+            where ``params`` has the container type of the ``params`` argument (a dict of
+            name -> tensor, or a list of tensors).
+        loss_fn: A loss module ``loss_fn(output, y) -> scalar`` with ``reduction`` "mean" or
+            "sum"; ``None`` for operators of the model alone (Jacobians).
+        params: The parameters: ``None`` (all of the module's parameters that require grad),
+            a list of parameter names, a list of the module's parameters, or (for a function
+            model) a dict of name -> tensor or a list of tensors.
+        data: A re-iterable of (X, y) batches (a list, a DataLoader): X a tensor, or a
+            dict-like batch that the model takes (then ``batch_size_fn`` is required).
+        num_data: The number of samples in ``data``; counted with one pass when ``None``.
+        batch_size_fn: ``batch_size_fn(X) -> int`` for dict-like batches.
+        check_deterministic: Run two passes and refuse a model or data that differ between
+            them (dropout, train-mode BatchNorm with shuffling, drop_last, augmentation).
+        progressbar: Show a tqdm progress bar over the batches of each pass.
+        chunk_size: At most this many columns of a matrix are multiplied at once.
+    """
+
+    SELF_ADJOINT = True
+    #: Whether the operator needs the batches in the same order on every pass.
+    FIXED_DATA_ORDER = False
+
+    def __init__(
+        self,
+        model: nn.Module | ModelFunction,
+        loss_fn: nn.Module | None,
+        params: Sequence | Mapping | None,
+        data: Iterable[Batch],
+        *,
+        num_data: int | None = None,
+        batch_size_fn: Callable[[Mapping], int] | None = None,
+        check_deterministic: bool = True,
+        progressbar: bool = False,
+        chunk_size: int | None = 32,
+    ):
+        self._model = model
+        self._loss_fn = loss_fn
+        self._param_names, self._params, self._params_container = _resolve_params(model, params)
+        # The same tensors as leaves of an autograd graph, for the plain-autograd products.
+        self._leaves = [p.detach().requires_grad_() for p in self._params]
+        self._updated_buffers = _updated_buffers(model)
+        self._check_data(data, batch_size_fn)
+        self._data = data
+        self._batch_size_fn = batch_size_fn if batch_size_fn is not None else _leading_size
+        self._progressbar = progressbar
+        self._chunk_size = chunk_size
+        if loss_fn is not None and getattr(loss_fn, "reduction", None) not in ("mean", "sum"):
+            raise ValueError(
+                f"{type(self).__name__} needs a loss module with reduction 'mean' or 'sum' (the "
+                f"data-set normalisation depends on it), got {loss_fn!r} with reduction "
+                f"{getattr(loss_fn, 'reduction', None)!r}."
+            )
+        self.num_data = (
+            sum(self._batch_size_fn(X) for X, _ in self._batches("counting data"))
+            if num_data is None
+            else num_data
+        )
+        dtypes = {p.dtype for p in self._params}
+        devices = {p.device for p in self._params}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(
+                f"{type(self).__name__} needs all parameters in one dtype on one device, got "
+                f"dtypes {dtypes} and devices {devices}."
+            )
+        super().__init__(self._in_shapes(), self._out_shapes(), dtypes.pop(), devices.pop())
+        if check_deterministic:
+            self._check_deterministic()
+
+    # ---------------------------------------------------------------------------------------
+    # Spaces and the functional model
+    # ---------------------------------------------------------------------------------------
+
+    def _in_shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self._params]
+
+    def _out_shapes(self) -> list[torch.Size]:
+        return [p.shape for p in self._params]
+
+    def _output(self, params: Sequence[Tensor], X: Tensor | Mapping) -> Tensor:
+        """The model output f(theta, X) as a function of the parameter tensors."""
+        if isinstance(self._model, nn.Module):
+            # Buffers the forward pass updates in place (running statistics of train-mode
+            # BatchNorm) get fresh copies: torch.func cannot mutate captured tensors, and the
+            # operator leaves the model as it found it.
+            copies = {name: self._model.get_buffer(name).clone() for name in self._updated_buffers}
+            tensors = {**dict(zip(self._param_names, params)), **copies}
+            return functional_call(self._model, tensors, (X,))
+        if self._params_container is dict:
+            return self._model(dict(zip(self._param_names, params)), X)
+        return self._model(list(params), X)
+
+    def _loss(self, params: Sequence[Tensor], X: Tensor | Mapping, y: Tensor) -> Tensor:
+        """The batch loss L_b(theta) with the loss function's own reduction."""
+        return self._loss_fn(self._output(params, X), y)
+
+    def _batch_weight(self, X: Tensor | Mapping) -> float:
+        """w_b of equation (1)."""
+        if self._loss_fn is None or self._loss_fn.reduction == "sum":
+            return 1.0
+        return self._batch_size_fn(X) / self.num_data
+
+    # ---------------------------------------------------------------------------------------
+    # Passes over the data
+    # ---------------------------------------------------------------------------------------
+
+    def _batches(self, desc: str) -> Iterator[Batch]:
+        """The batches of the data set, on the operator's device, behind a progress bar."""
+        data = self._data
+        if self._progressbar:
+            data = tqdm(data, desc=f"{type(self).__name__}: {desc}")
+        device = self._params[0].device
+        for X, y in data:
+            if isinstance(X, Tensor):
+                X = X.to(device)
+            yield X, y.to(device) if isinstance(y, Tensor) else y
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        """sum_b w_b A_b M over the batches (equation (1))."""
+        AM = None
+        with functional_pass():
+            for X, y in self._batches("matrix product"):
+                weight = self._batch_weight(X)
+                AM_batch = self._matmat_batch(X, y, M)
+                if AM is None:
+                    AM = [am.mul_(weight) if weight != 1.0 else am for am in AM_batch]
+                else:
+                    for am, am_batch in zip(AM, AM_batch):
+                        am.add_(am_batch, alpha=weight)
+        return AM
+
+    def _matmat_batch(self, X: Tensor | Mapping, y: Tensor, M: list[Tensor]) -> list[Tensor]:
+        """One batch's matrix times the columns ``M`` (leading axis).
+
+        Several columns go through :meth:`_column_product` in parallel (torch.func.vmap);
+        a single column through :meth:`_vector_product`, which subclasses may implement with
+        plain autograd: it costs less per operation than the torch.func transforms, which
+        matters for small networks.
+        """
+        if len(M[0]) > 1:
+            return map_columns(self._column_product(X, y), M, self._chunk_size)
+        with torch.enable_grad():
+            return [r.unsqueeze(0) for r in self._vector_product(X, y, [m[0] for m in M])]
+
+    def _column_product(self, X: Tensor | Mapping, y: Tensor) -> ColumnProduct:
+        """The map v -> A_b v of batch b for one column v, written with torch.func (vmappable).
+
+        Work that all columns share (the forward pass) is done here, before the map is made.
+        """
+        raise NotImplementedError
+
+    def _vector_product(self, X: Tensor | Mapping, y: Tensor, v: list[Tensor]) -> list[Tensor]:
+        """A_b v for one vector v; by default the torch.func column product."""
+        with torch.no_grad():
+            return self._column_product(X, y)(v)
+
+    def loss_and_gradient(self) -> tuple[Tensor, list[Tensor]]:
+        """The data-set loss (1) and its gradient w.r.t. the parameters."""
+        loss = torch.zeros((), dtype=self.dtype, device=self.device)
+        gradient = [torch.zeros_like(p) for p in self._params]
+        with functional_pass():
+            for X, y in self._batches("loss and gradient"):
+                weight = self._batch_weight(X)
+                g, value = grad_and_value(self._loss)(self._params, X, y)
+                loss.add_(value.detach(), alpha=weight)
+                for total, g_p in zip(gradient, g):
+                    total.add_(g_p, alpha=weight)
+        return loss, gradient
+
+    def _outputs(self) -> list[Tensor]:
+        """The model outputs of every batch, in data order."""
+        with functional_pass():
+            return [self._output(self._params, X) for X, _ in self._batches("outputs")]
+
+    # ---------------------------------------------------------------------------------------
+    # Checks
+    # ---------------------------------------------------------------------------------------
+
+    def _check_data(self, data: Iterable[Batch], batch_size_fn) -> None:
+        if iter(data) is data:
+            raise TypeError(
+                f"{type(self).__name__} passes over the data several times, so data must be "
+                f"re-iterable (a list of batches or a DataLoader), not a one-shot iterator or "
+                f"generator; wrap it in list(...)."
+            )
+        first = next(iter(data), None)
+        if first is None:
+            raise ValueError(f"{type(self).__name__} got an empty data set.")
+        if not isinstance(first[0], Tensor) and batch_size_fn is None:
+            raise ValueError(
+                f"{type(self).__name__} got batches whose X is a {type(first[0]).__name__}, "
+                f"not a tensor: pass batch_size_fn=lambda X: <number of samples in X>."
+            )
+
+    def _check_deterministic(self) -> None:
+        """Two passes over the data must agree; so must two products with the same vector."""
+        hint = (
+            "Put the model in eval mode (dropout, BatchNorm), don't use drop_last with "
+            "shuffling, turn off random augmentation; or pass check_deterministic=False if you "
+            "know the difference is harmless."
+        )
+        if self._loss_fn is None or self.FIXED_DATA_ORDER:
+            first, second = self._outputs(), self._outputs()
+            if len(first) != len(second) or any(a.shape != b.shape for a, b in zip(first, second)):
+                raise RuntimeError(
+                    f"{type(self).__name__}: two passes over the data gave batches of different "
+                    f"sizes. {hint}"
+                )
+            what, difference = "model outputs", _relative_difference(first, second)
+        else:
+            (loss1, grad1), (loss2, grad2) = self.loss_and_gradient(), self.loss_and_gradient()
+            what, difference = (
+                "loss and gradient",
+                _relative_difference([loss1, *grad1], [loss2, *grad2]),
+            )
+        if difference > DETERMINISM_RTOL:
+            raise RuntimeError(
+                f"{type(self).__name__}: the {what} differ between two passes over the data "
+                f"(relative difference {difference:.2e}). {hint}"
+            )
+        generator = torch.Generator().manual_seed(0)
+        v = torch.rand(self.shape[1], generator=generator, dtype=self.dtype).to(self.device)
+        difference = _relative_difference([self @ v], [self @ v])
+        if difference > DETERMINISM_RTOL:
+            raise RuntimeError(
+                f"{type(self).__name__}: two products with the same vector differ (relative "
+                f"difference {difference:.2e}). {hint}"
+            )
+
+
+def _updated_buffers(model: nn.Module | ModelFunction) -> list[str]:
+    """Names of the buffers a forward pass updates: running statistics of train-mode norms."""
+    if not isinstance(model, nn.Module):
+        return []
+    return [
+        f"{module_name}.{buffer_name}" if module_name else buffer_name
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.training
+        for buffer_name, _ in module.named_buffers(recurse=False)
+    ]
+
+
+def _leading_size(X: Tensor) -> int:
+    return X.shape[0]
+
+
+def _resolve_params(
+    model: nn.Module | ModelFunction, params: Sequence | Mapping | None
+) -> tuple[list[str], list[Tensor], type]:
+    """Names, detached tensors and container type (dict or list) of the parameters."""
+    if not isinstance(model, nn.Module):
+        if isinstance(params, Mapping):
+            names, tensors = list(params.keys()), list(params.values())
+            container = dict
+        elif isinstance(params, Sequence) and all(isinstance(p, Tensor) for p in params):
+            names, tensors, container = [str(i) for i in range(len(params))], list(params), list
+        else:
+            raise TypeError(
+                "A function model(params, X) needs params as a dict of name -> tensor or a "
+                f"list of tensors, got {type(params).__name__}."
+            )
+        if not tensors:
+            raise ValueError("params is empty: pass the tensors the curvature is taken w.r.t.")
+        return names, [t.detach() for t in tensors], container
+
+    named = dict(model.named_parameters())
+    if params is None:
+        chosen = [(n, p) for n, p in named.items() if p.requires_grad]
+        if not chosen:
+            raise ValueError(
+                "The model has no parameter that requires grad; set requires_grad or pass "
+                "params=[names]."
+            )
+    else:
+        by_identity = {id(p): n for n, p in named.items()}
+        chosen = []
+        for p in params:
+            if isinstance(p, str):
+                if p not in named:
+                    raise ValueError(
+                        f"The model has no parameter named {p!r}; its parameters are "
+                        f"{list(named)}."
+                    )
+                chosen.append((p, named[p]))
+            elif isinstance(p, Tensor) and id(p) in by_identity:
+                chosen.append((by_identity[id(p)], p))
+            else:
+                raise ValueError(
+                    "params must be names of the model's parameters or the model's parameter "
+                    f"tensors; got a {type(p).__name__} that is neither."
+                )
+        frozen = [n for n, p in chosen if not p.requires_grad]
+        if frozen:
+            raise ValueError(
+                f"Parameters {frozen} do not require grad; set requires_grad_(True) on them or "
+                "leave them out of params."
+            )
+        if not chosen:
+            raise ValueError("params is empty: pass the parameters the curvature is taken w.r.t.")
+    return [n for n, _ in chosen], [p.detach() for _, p in chosen], dict

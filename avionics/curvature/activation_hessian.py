@@ -1,0 +1,152 @@
+"""The Hessian of the loss w.r.t. an intermediate tensor of the network."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+from avionics.curvature._data import math_attention
+from avionics.curvature.base import CurvatureLinearOperator
+
+IO_TYPES = ("input", "output")
+
+
+class ActivationHessianOperator(CurvatureLinearOperator):
+    r"""The Hessian d2 L / dZ2 of a batch loss w.r.t. an intermediate tensor Z.
+
+    Z is named by ``activation = (module_name, io, index)``: a name from
+    ``model.named_modules()`` ("" is the whole model), ``"input"`` or ``"output"`` of that
+    module, and the position in its input tuple or output tuple (0 for single-tensor layers).
+    Z is the tensor itself, with every use the network makes of it, so the Hessian w.r.t. the
+    input of a layer equals the Hessian w.r.t. the output of the layer feeding it. The
+    operator's space has Z's shape including the batch axis (size N dim(z)), and
+
+    .. math:: \nabla^2_Z L \, V = \nabla_Z \big( (\nabla_Z L)^\top V \big)
+
+    by reverse-over-reverse differentiation. The forward pass and the first backward
+    (d L / dZ, with its graph) are computed once, at construction; a product is one backward
+    through d L / dZ for all columns together (vmap, ``chunk_size`` at a time).
+
+    Args:
+        model: The network.
+        loss_fn: A loss function ``loss_fn(output, y) -> scalar``.
+        activation: ``(module_name, "input" | "output", index)``.
+        data: A single batch, as a re-iterable of one (X, y) pair (e.g. ``[(X, y)]``).
+        check_deterministic: Refuse a forward pass that gives a different loss or Z when run
+            twice (dropout, train-mode BatchNorm, ...).
+        chunk_size: At most this many columns are multiplied at once.
+    """
+
+    SELF_ADJOINT = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn,
+        activation: tuple[str, str, int],
+        data: Iterable[tuple[Tensor, Tensor]],
+        *,
+        check_deterministic: bool = True,
+        chunk_size: int | None = 32,
+    ):
+        module_name, io, index = activation
+        modules = dict(model.named_modules())
+        if module_name not in modules:
+            raise ValueError(
+                f"The model has no module named {module_name!r}; the available names are "
+                f"{list(modules)}."
+            )
+        if io not in IO_TYPES:
+            raise ValueError(f"The io type must be one of {IO_TYPES}, got {io!r}.")
+        batches = list(data)
+        if len(batches) != 1:
+            raise ValueError(
+                f"ActivationHessianOperator requires a single batch, got {len(batches)} "
+                "batches; pass [(X, y)]."
+            )
+        self._model, self._loss_fn, self._chunk_size = model, loss_fn, chunk_size
+        self._module, self._io, self._index, self._activation = (
+            modules[module_name], io, index, activation
+        )  # fmt: skip
+        self._X, self._y = batches[0]
+        with math_attention():
+            self._Z, loss = self._forward()
+            (self._loss_gradient,) = torch.autograd.grad(loss, self._Z, create_graph=True)
+            if check_deterministic:
+                Z, second_loss = self._forward()
+                if not (torch.equal(Z, self._Z) and torch.equal(second_loss, loss)):
+                    raise RuntimeError(
+                        "ActivationHessianOperator: two forward passes gave different values. "
+                        "Put the model in eval mode (dropout, BatchNorm) or pass "
+                        "check_deterministic=False."
+                    )
+        self.loss = loss.detach()
+        super().__init__([self._Z.shape], [self._Z.shape], self._Z.dtype, self._Z.device)
+
+    def _forward(self) -> tuple[Tensor, Tensor]:
+        """Run the model, capturing Z (made differentiable if it is not), return Z and loss."""
+        captured = []
+
+        def select(values: tuple) -> Tensor:
+            if not -len(values) <= self._index < len(values):
+                raise IndexError(
+                    f"activation {self._activation}: the module's {self._io} has "
+                    f"{len(values)} element(s), there is no index {self._index}."
+                )
+            value = values[self._index]
+            if not isinstance(value, Tensor):
+                raise TypeError(
+                    f"activation {self._activation} is a {type(value).__name__}, not a tensor."
+                )
+            return value
+
+        def differentiable(values: tuple) -> tuple:
+            Z = select(values)
+            if not Z.requires_grad:
+                Z = Z.detach().requires_grad_()
+            captured.append(Z)
+            return (*values[: self._index % len(values)], Z,
+                    *values[self._index % len(values) + 1 :])  # fmt: skip
+
+        if self._io == "input":
+            handle = self._module.register_forward_pre_hook(
+                lambda module, args: differentiable(args)
+            )
+        else:
+
+            def output_hook(module, args, output):
+                if isinstance(output, Tensor):
+                    return differentiable((output,))[0]
+                return type(output)(differentiable(tuple(output)))
+
+            handle = self._module.register_forward_hook(output_hook)
+        try:
+            with torch.enable_grad():
+                loss = self._loss_fn(self._model(self._X), self._y)
+        finally:
+            handle.remove()
+        if not captured:
+            raise RuntimeError(
+                f"activation {self._activation}: the module was not called in the forward pass."
+            )
+        return captured[-1], loss
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        chunks = M[0].split(self._chunk_size or len(M[0]))  # columns [K, *Z]
+        with math_attention():
+            return [torch.cat([self._hessian_columns(chunk) for chunk in chunks])]
+
+    def _hessian_columns(self, V: Tensor) -> Tensor:
+        """d2 L / dZ2 applied to the columns V[k] (leading axis), in one batched backward."""
+        batched = len(V) > 1
+        (HV,) = torch.autograd.grad(
+            self._loss_gradient,
+            self._Z,
+            V if batched else V[0],
+            retain_graph=True,
+            is_grads_batched=batched,
+            materialize_grads=True,
+        )
+        return HV if batched else HV.unsqueeze(0)

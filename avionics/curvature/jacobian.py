@@ -1,0 +1,100 @@
+"""The Jacobian of the model outputs w.r.t. the parameters, and its transpose."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.func import jvp, vjp
+
+from avionics.curvature._data import ModelDataOperator, functional_pass
+
+
+class _OutputsOperator(ModelDataOperator):
+    """Shared set-up: the output space is the stacked model outputs of all batches [N, *f].
+
+    The rows follow the order of the data, so the batches must come in the same order on
+    every pass (the determinism check compares the outputs batch by batch).
+    """
+
+    SELF_ADJOINT = False
+    FIXED_DATA_ORDER = True
+
+    def __init__(self, model, params, data, **kwargs):
+        self._arguments = dict(model=model, params=params, data=data, **kwargs)
+        super().__init__(model, None, params, data, **kwargs)
+
+    def _output_shape(self) -> torch.Size:
+        X, _ = next(self._batches("output shape"))
+        with functional_pass():
+            sample_shape = self._output(self._params, X).shape[1:]
+        return torch.Size((self.num_data, *sample_shape))
+
+    def _adjoint_arguments(self) -> dict:
+        return {**self._arguments, "num_data": self.num_data, "check_deterministic": False}
+
+
+class JacobianOperator(_OutputsOperator):
+    r"""The Jacobian J = d f(theta, X) / d theta of the outputs of all batches.
+
+    Maps a parameter-space vector v to J v = [J_1 v; ...; J_B v] of shape [N, *f] (the model
+    outputs stacked over the data set), each J_b v by forward-mode differentiation (jvp),
+    all columns together.
+
+    Args:
+        model: The network (an ``nn.Module``) or a function ``model(params, X)``.
+        params: The parameters; ``None`` for all that require grad.
+        data: A re-iterable of (X, y) batches (y is not used).
+        **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
+            ``chunk_size`` (see :class:`~avionics.curvature._data.ModelDataOperator`).
+    """
+
+    def _out_shapes(self) -> list[torch.Size]:
+        return [self._output_shape()]
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        with functional_pass():
+            blocks = [self._matmat_batch(X, y, M)[0] for X, y in self._batches("J @ M")]
+        return [torch.cat(blocks, dim=1)]
+
+    def _column_product(self, X, y):
+        def product(v: list[Tensor]) -> list[Tensor]:
+            return [jvp(lambda params: self._output(params, X), (self._params,), (v,))[1]]
+
+        return product
+
+    def _adjoint(self) -> TransposedJacobianOperator:
+        return TransposedJacobianOperator(**self._adjoint_arguments())
+
+
+class TransposedJacobianOperator(_OutputsOperator):
+    r"""The transposed Jacobian J^T, mapping output-space vectors [N, *f] to parameters.
+
+    J^T u = sum_b J_b^T u_b with u_b the rows of batch b, each by one reverse pass (vjp)
+    whose forward is shared by all columns.
+
+    Args:
+        model, params, data, **kwargs: As for :class:`JacobianOperator`.
+    """
+
+    def _in_shapes(self) -> list[torch.Size]:
+        return [self._output_shape()]
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        JTM = [torch.zeros(len(M[0]), *s, dtype=self.dtype, device=self.device)
+               for s in self.out_shapes]  # fmt: skip
+        start = 0
+        with functional_pass():
+            for X, y in self._batches("J^T @ M"):
+                size = self._batch_size_fn(X)
+                rows = [M[0][:, start : start + size]]
+                for total, block in zip(JTM, self._matmat_batch(X, y, rows)):
+                    total.add_(block)
+                start += size
+        return JTM
+
+    def _column_product(self, X, y):
+        _, output_vjp = vjp(lambda params: self._output(params, X), self._params)
+        return lambda u: output_vjp(u[0])[0]
+
+    def _adjoint(self) -> JacobianOperator:
+        return JacobianOperator(**self._adjoint_arguments())

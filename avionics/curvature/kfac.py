@@ -1,0 +1,320 @@
+"""KFAC: a block-diagonal Kronecker-factored approximation of the GGN / Fisher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import grad
+from torch.nn import functional as F
+
+from avionics.curvature._data import ModelDataOperator, math_attention
+from avionics.curvature._losses import output_hessian_square_root, sampled_output_gradients
+from avionics.curvature.base import CurvatureLinearOperator
+
+FISHER_TYPES = ("mc", "type-2", "empirical")
+SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+
+
+@dataclass
+class KroneckerBlock:
+    """One block B (x) A: a layer's weight, its bias, or both (weight first)."""
+
+    layer: nn.Module
+    param_indices: list[int]
+    has_weight: bool
+    has_bias: bool
+    B: Tensor | None = None  # [d_out, d_out]
+    A: Tensor | None = None  # [d_in (+ 1 for a joint bias), same] ([1, 1] for a lone bias)
+
+
+class KFACOperator(ModelDataOperator):
+    r"""KFAC: the GGN (or a Fisher) approximated per layer by a Kronecker product B (x) A.
+
+    Every block belongs to one ``nn.Linear`` or ``nn.Conv2d`` layer z = W a (+ b), a its
+    input (for a convolution the unfolded patches), z its output. With the GGN
+    sum_b w_b J_b^T Lambda_b J_b (:class:`~avionics.curvature.ggn.GGNOperator`),
+    Lambda_b = sum_k s_k s_k^T, and g_k = (dz/df)^T s_k the vectors backpropagated to z, the
+    block of W is approximated by (Martens & Grosse, "Optimizing neural networks with
+    Kronecker-factored approximate curvature", 2015, eq. 1; Grosse & Martens, "A
+    Kronecker-factored approximate Fisher matrix for convolution layers", 2016)
+
+    .. math:: B \otimes A, \qquad B = \sum_b w_b \sum_{k, r} g_{k,r} g_{k,r}^\top, \qquad
+              A = \frac{1}{R} \sum_r a_r a_r^\top,
+
+    r running over the rows of the layer input over the data set (R rows: one per sample,
+    or per position for sequences and convolutions, the "expand" approximation of Eschenhagen
+    et al., 2023). It is exact for single-sample batches without positions and
+    ``fisher_type="type-2"``. On a weight V [out, in] the product is B V A; a bias gets its
+    own block with A = 1 (``separate_weight_and_bias=True``) or joins the weight, with a column
+    of ones appended to a.
+
+    The s_k: ``"mc"`` draws labels from the model's predictive distribution
+    (:func:`~avionics.curvature._losses.sampled_output_gradients`), ``"type-2"`` is the exact
+    square root of the loss Hessian (one s_k per output dimension and position), and
+    ``"empirical"`` the gradients at the true labels (the empirical Fisher).
+
+    Args:
+        model: The network (an ``nn.Module``).
+        loss_fn: ``MSELoss``, ``CrossEntropyLoss`` or ``BCEWithLogitsLoss``, reduction "mean"
+            or "sum".
+        params: Weights and biases of Linear and Conv2d layers; ``None`` for all parameters
+            that require grad.
+        data: A re-iterable of (X, y) batches.
+        fisher_type: ``"mc"`` (default), ``"type-2"`` or ``"empirical"``.
+        mc_samples: Labels drawn per output for ``"mc"``.
+        seed: Seed of the draws.
+        separate_weight_and_bias: Give each bias its own block.
+        **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``.
+    """
+
+    def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
+                 mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
+                 check_deterministic: bool = True, **kwargs):  # fmt: skip
+        if not isinstance(model, nn.Module):
+            raise TypeError("KFACOperator needs the model as an nn.Module (it hooks its layers).")
+        if fisher_type not in FISHER_TYPES:
+            raise ValueError(f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}.")
+        self._fisher_type, self._mc_samples, self._seed = fisher_type, mc_samples, seed
+        self._separate_weight_and_bias = separate_weight_and_bias
+        super().__init__(model, loss_fn, params, data, check_deterministic=False, **kwargs)
+        self.blocks = self._find_blocks()
+        self._compute_factors()
+        if check_deterministic:
+            self._check_deterministic()
+
+    def _find_blocks(self) -> list[KroneckerBlock]:
+        index = {name: i for i, name in enumerate(self._param_names)}
+        blocks = []
+        for layer_name, layer in self._model.named_modules():
+            prefix = f"{layer_name}." if layer_name else ""
+            weight, bias = index.get(prefix + "weight"), index.get(prefix + "bias")
+            if not isinstance(layer, SUPPORTED_LAYERS) or (weight is None and bias is None):
+                continue
+            if isinstance(layer, nn.Conv2d) and (
+                layer.groups != 1 or layer.padding_mode != "zeros"
+            ):
+                raise ValueError(
+                    f"KFACOperator: layer {layer_name!r} is a Conv2d with groups or a padding "
+                    "mode other than zeros, which is not supported; leave its parameters out."
+                )
+            if weight is not None and bias is not None and not self._separate_weight_and_bias:
+                blocks.append(KroneckerBlock(layer, [weight, bias], True, True))
+                continue
+            if weight is not None:
+                blocks.append(KroneckerBlock(layer, [weight], True, False))
+            if bias is not None:
+                blocks.append(KroneckerBlock(layer, [bias], False, True))
+        covered = {i for block in blocks for i in block.param_indices}
+        others = [name for i, name in enumerate(self._param_names) if i not in covered]
+        if others:
+            raise ValueError(
+                "KFACOperator supports the weights and biases of Linear and Conv2d layers; "
+                f"parameters {others} belong to other modules: pass params=[names] without them."
+            )
+        return blocks
+
+    # ---------------------------------------------------------------------------------------
+    # The Kronecker factors: one pass over the data
+    # ---------------------------------------------------------------------------------------
+
+    def _compute_factors(self) -> None:
+        """B and A of every block, in one pass over the data."""
+        A = {id(layer): 0.0 for layer in self._layers()}
+        B = {id(layer): 0.0 for layer in self._layers()}
+        rows = {id(layer): 0 for layer in self._layers()}
+        for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
+            a, g = a.flatten(0, -2), g.flatten(0, -2)
+            A[id(layer)] = A[id(layer)] + a.T @ a
+            B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
+            rows[id(layer)] += len(a)
+        one = torch.ones(1, 1, dtype=self.dtype, device=self.device)
+        for block in self.blocks:
+            block.B = B[id(block.layer)]
+            block.A = A[id(block.layer)] / rows[id(block.layer)] if block.has_weight else one
+
+    def _layers(self) -> list[nn.Module]:
+        return list({id(block.layer): block.layer for block in self.blocks}.values())
+
+    def _backpropagated_rows(self, desc: str):
+        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]).
+
+        The draws restart from the seed on every pass, so every pass sees the same sample.
+        """
+        layers = self._layers()
+        joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
+        generator = torch.Generator(self.device).manual_seed(self._seed)
+        with math_attention():
+            for X, y in self._batches(desc):
+                output, inputs, outputs = self._forward(X, layers)
+                vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
+                gradients = torch.autograd.grad(
+                    output, [outputs[id(layer)] for layer in layers], vectors,
+                    is_grads_batched=True, allow_unused=True, materialize_grads=True,
+                )  # fmt: skip
+                weight = self._batch_weight(X)
+                for layer, g in zip(layers, gradients):
+                    a = _input_rows(layer, inputs[id(layer)], id(layer) in joint)
+                    yield weight, layer, a, _output_rows(layer, g)
+
+    def _forward(self, X, layers: list[nn.Module]) -> tuple[Tensor, dict, dict]:
+        """Run the model; return its output, each layer's input and output (in the graph)."""
+        inputs, outputs = {}, {}
+
+        def hook(layer, args, output):
+            inputs[id(layer)] = args[0].detach()
+            if not output.requires_grad:  # nothing upstream needs a graph: start one here
+                output = output.detach().requires_grad_()
+            outputs[id(layer)] = output
+            return output
+
+        handles = [layer.register_forward_hook(hook) for layer in layers]
+        try:
+            with torch.enable_grad():
+                output = self._model(X)
+        finally:
+            for handle in handles:
+                handle.remove()
+        not_called = [name for name, m in self._model.named_modules() if m in layers
+                      and id(m) not in outputs]  # fmt: skip
+        if not_called:
+            raise ValueError(
+                f"KFACOperator: the layers {not_called} were not called in the forward pass "
+                "(e.g. the out_proj of nn.MultiheadAttention, whose weight is used directly), "
+                "so their inputs and outputs cannot be seen; leave their parameters out."
+            )
+        return output, inputs, outputs
+
+    def _output_vectors(self, output: Tensor, y: Tensor, generator) -> Tensor:
+        """The s_k, stacked [K, *output.shape], with Lambda_b = sum_k s_k s_k^T."""
+        if self._fisher_type == "mc":
+            S, kappa = sampled_output_gradients(self._loss_fn, output, self._mc_samples, generator)
+            return (kappa / self._mc_samples) ** 0.5 * S
+        if self._fisher_type == "type-2":
+            return output_hessian_square_root(self._loss_fn, output, y)
+        # empirical: Lambda_b = blockdiag_n(G_n G_n^T) / c_b (see EFOperator)
+        G = grad(lambda f: self._loss_fn(f, y))(output)
+        inverse_c = output.shape[0] if self._loss_fn.reduction == "mean" else 1.0
+        return (inverse_c**0.5 * G).unsqueeze(0)
+
+    # ---------------------------------------------------------------------------------------
+    # Products
+    # ---------------------------------------------------------------------------------------
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        return _blockwise(self.blocks, M, lambda block, V: block.B @ V @ block.A)
+
+    def inverse(self, damping: float) -> CurvatureLinearOperator:
+        """The damped inverse (B (x) A + damping I)^{-1}, block by block (KFACInverseOperator)."""
+        eigenbases = {}
+        for block in self.blocks:
+            (b, Q_B), (a, Q_A) = torch.linalg.eigh(block.B), torch.linalg.eigh(block.A)
+            eigenbases[id(block)] = (Q_B, Q_A, b[:, None] * a[None, :])
+        return KFACInverseOperator(self, eigenbases, damping)
+
+
+class EKFACOperator(KFACOperator):
+    r"""EKFAC: KFAC with its eigenvalues corrected to the exact second moments.
+
+    In the eigenbasis of B (x) A (B = Q_B diag(b) Q_B^T, A = Q_A diag(a) Q_A^T) KFAC's
+    eigenvalues b_i a_j are replaced by the diagonal of the curvature block in that basis
+    (George et al., "Fast approximate natural gradient descent in a Kronecker-factored
+    eigenbasis", 2018, eq. 7),
+
+    .. math:: S_{ij} = \sum_b w_b \sum_{k, n} ig( Q_B^	op G_{k,n} Q_A ig)_{ij}^2,
+              \qquad G_{k,n} = \sum_r g_{k,n,r} a_{n,r}^	op,
+
+    G_{k,n} the per-sample gradients of the backpropagated vectors (see
+    :class:`KFACOperator`), computed in a second pass over the data with the same draws. The
+    product is Q_B ((Q_B^T V Q_A) * S) Q_A^T. Arguments as for :class:`KFACOperator`.
+    """
+
+    def _compute_factors(self) -> None:
+        super()._compute_factors()
+        self._eigenbases = {}
+        for block in self.blocks:
+            Q_B, Q_A = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
+            S = torch.zeros(len(Q_B), len(Q_A), dtype=self.dtype, device=self.device)
+            self._eigenbases[id(block)] = (Q_B, Q_A, S)
+        for weight, layer, a, g in self._backpropagated_rows("eigenvalue correction"):
+            for block in (b for b in self.blocks if b.layer is layer):
+                Q_B, Q_A, S = self._eigenbases[id(block)]
+                rows = a if block.has_weight else torch.ones_like(a[..., :1])
+                rotated = torch.einsum("knro,nri->knoi", g @ Q_B, rows @ Q_A)
+                S.add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
+            Q_B, Q_A, S = self._eigenbases[id(block)]
+            return Q_B @ ((Q_B.T @ V @ Q_A) * S) @ Q_A.T
+
+        return _blockwise(self.blocks, M, apply)
+
+    def inverse(self, damping: float) -> CurvatureLinearOperator:
+        """The damped inverse (EKFAC + damping I)^{-1}, block by block (KFACInverseOperator)."""
+        return KFACInverseOperator(self, self._eigenbases, damping)
+
+
+class KFACInverseOperator(CurvatureLinearOperator):
+    r"""The damped inverse of a Kronecker-factored operator, block by block, exactly.
+
+    A block with eigenbases Q_B, Q_A and eigenvalues S (b a^T for KFAC; the corrected ones
+    for EKFAC) has the damped inverse
+
+    .. math:: (Q_B \otimes Q_A) \operatorname{diag}(S + \lambda)^{-1} (Q_B \otimes Q_A)^	op:
+              \quad V \mapsto Q_B ig[ (Q_B^	op V Q_A) \oslash (S + \lambda) ig] Q_A^	op
+
+    (Martens & Grosse, 2015, section 6.3, with exact rather than factored damping).
+    """
+
+    SELF_ADJOINT = True
+
+    def __init__(self, kfac: KFACOperator, eigenbases: dict, damping: float):
+        if not damping > 0:
+            raise ValueError(f"damping must be positive, got {damping!r}.")
+        super().__init__(kfac.in_shapes, kfac.out_shapes, kfac.dtype, kfac.device)
+        self._blocks, self._eigenbases, self._damping = kfac.blocks, eigenbases, damping
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
+            Q_B, Q_A, S = self._eigenbases[id(block)]
+            return Q_B @ ((Q_B.T @ V @ Q_A) / (S + self._damping)) @ Q_A.T
+
+        return _blockwise(self._blocks, M, apply)
+
+
+def _blockwise(
+    blocks: list[KroneckerBlock],
+    M: list[Tensor],
+    apply: Callable[[KroneckerBlock, Tensor], Tensor],
+) -> list[Tensor]:
+    """Apply each block's map to its parameters' columns, as matrices V [K, d_out, d_in]."""
+    result = [None] * len(M)
+    for block in blocks:
+        # weights [K, d_out, C_in (kh kw)], biases [K, d_out, 1]
+        parts = [M[i].reshape(M[i].shape[0], M[i].shape[1], -1) for i in block.param_indices]
+        AV = apply(block, torch.cat(parts, dim=2))
+        widths = [p.shape[-1] for p in parts]
+        for i, part in zip(block.param_indices, AV.split(widths, dim=2)):
+            result[i] = part.reshape(M[i].shape)
+    return result
+
+
+def _input_rows(layer: nn.Module, a: Tensor, joint_bias: bool) -> Tensor:
+    """The rows a_r of the layer input, [N, R, d_in] (+ a column of ones for a joint bias)."""
+    if isinstance(layer, nn.Conv2d):
+        a = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
+        a = a.transpose(1, 2)  # [N, positions, C_in kh kw]
+    a = a.reshape(a.shape[0], -1, a.shape[-1])
+    if joint_bias:
+        a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
+    return a
+
+
+def _output_rows(layer: nn.Module, g: Tensor) -> Tensor:
+    """The rows g_{k,n,r} of the vectors backpropagated to the layer output, [K, N, R, d_out]."""
+    if isinstance(layer, nn.Conv2d):
+        g = g.flatten(-2).transpose(-1, -2)  # [K, N, positions, C_out]
+    return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

@@ -1,0 +1,57 @@
+"""The Monte-Carlo Fisher of the data-set loss."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from avionics.curvature._losses import (
+    OutputProduct,
+    per_sample_outer_product,
+    sampled_output_gradients,
+)
+from avionics.curvature.ggn import GGNOperator
+
+
+class MCFisherOperator(GGNOperator):
+    r"""The Monte-Carlo Fisher: the GGN with its loss Hessian replaced by sampled gradients.
+
+    For the losses that are negative log-likelihoods (MSELoss, CrossEntropyLoss,
+    BCEWithLogitsLoss), d2 L_b / df2 = kappa sum_t E[s_t s_t^T] with s_t the gradient of the
+    per-term loss at a label drawn from the model's predictive distribution
+    (:mod:`avionics.curvature._losses`, eq. (1)). With M draws S_m = sum_t s_t per sample,
+
+    .. math:: F_b = J_b^\top \Big( \tfrac{\kappa}{M} \sum_m
+              \operatorname{blockdiag}_n(S_{m,n} S_{m,n}^\top) \Big) J_b,
+              \qquad \mathbb{E}[F_b] = G_b,
+
+    (Martens & Grosse, "Optimizing neural networks with Kronecker-factored approximate
+    curvature", 2015, section 5), weighted over batches like the GGN. The draws are seeded:
+    every product uses the same sample (the data must come in the same order on every pass).
+
+    Args:
+        model, loss_fn, params, data: As for :class:`~avionics.curvature.ggn.GGNOperator`.
+        mc_samples: M, the number of labels drawn per output.
+        seed: Seed of the draws.
+        **kwargs: As for :class:`~avionics.curvature.ggn.GGNOperator`.
+    """
+
+    FIXED_DATA_ORDER = True
+
+    def __init__(self, model, loss_fn, params, data, *, mc_samples: int = 1, seed: int = 0,
+                 **kwargs):  # fmt: skip
+        if not isinstance(mc_samples, int) or mc_samples < 1:
+            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}.")
+        self._mc_samples, self._seed = mc_samples, seed
+        super().__init__(model, loss_fn, params, data, **kwargs)
+
+    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+        # Restart the draws so that every product sees the same sample.
+        self._generator = torch.Generator(self._params[0].device).manual_seed(self._seed)
+        return super()._matmat(M)
+
+    def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
+        S, kappa = sampled_output_gradients(
+            self._loss_fn, output, self._mc_samples, self._generator
+        )
+        return per_sample_outer_product(S, kappa / self._mc_samples)

@@ -1,0 +1,336 @@
+"""Curvature operators: avionics vs curvlinops, side by side in one run.
+
+On an MLP 784-256-256-10 (batch 128), the DeepOBS 3c3d CNN on 32x32x3 images (batch 128) and
+a small GPT (2 blocks, width 128, 4 heads, context 64, vocabulary 512; batch 32), for every
+operator: construction time (with the default determinism check), the time of one
+matrix-vector product and of a product with 16 columns, and the peak growth of the resident
+memory during the 16-column product; next to the time of one gradient. Times are the CPU time
+of the computing thread (``time.thread_time``, torch on one thread), the minimum over repeats
+with avionics and curvlinops alternating: on a shared machine wall-clock times mostly measure
+the neighbours.
+
+Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import warnings
+from importlib.metadata import version
+
+import torch
+from torch import nn
+
+from avionics.curvature import (
+    ActivationHessianOperator,
+    EFOperator,
+    EKFACOperator,
+    GGNOperator,
+    HessianOperator,
+    JacobianOperator,
+    KFACOperator,
+    MCFisherOperator,
+    TransposedJacobianOperator,
+)
+from avionics.curvature._data import math_attention
+from benchmarks.report import machine, table, write_section
+
+COLUMNS = 16
+
+
+# ------------------------------------------------------------------------------------------
+# Problems
+# ------------------------------------------------------------------------------------------
+
+
+def mlp_problem():
+    model = nn.Sequential(
+        nn.Linear(784, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+    )
+    X, y = torch.randn(128, 784), torch.randint(0, 10, (128,))
+    return model, nn.CrossEntropyLoss(), [(X, y)], ("4", "input", 0)
+
+
+def cnn_3c3d_problem():
+    model = nn.Sequential(
+        nn.Conv2d(3, 64, 5), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(64, 96, 3), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Conv2d(96, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, 2, padding=1),
+        nn.Flatten(),
+        nn.Linear(128 * 3 * 3, 512), nn.ReLU(), nn.Linear(512, 256), nn.ReLU(),
+        nn.Linear(256, 10),
+    )  # fmt: skip
+    X, y = torch.randn(128, 3, 32, 32), torch.randint(0, 10, (128,))
+    return model, nn.CrossEntropyLoss(), [(X, y)], ("10", "input", 0)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(
+            nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x):
+        T = x.shape[1]
+        mask = torch.triu(torch.ones(T, T, dtype=torch.bool, device=x.device), 1)
+        h = self.ln1(x)
+        x = x + self.attention(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, pre-LN blocks, final LayerNorm, LM head.
+
+    Returns logits [N, vocabulary, T] (class axis 1, as CrossEntropyLoss wants).
+    """
+
+    def __init__(self, vocabulary=512, width=128, heads=4, context=64, blocks=2):
+        super().__init__()
+        self.tokens = nn.Embedding(vocabulary, width)
+        self.positions = nn.Parameter(0.02 * torch.randn(context, width))
+        self.blocks = nn.Sequential(*[Block(width, heads) for _ in range(blocks)])
+        self.ln_f = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocabulary)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.positions[: idx.shape[1]]
+        return self.head(self.ln_f(self.blocks(x))).transpose(1, 2)
+
+
+def gpt_problem():
+    X, y = torch.randint(0, 512, (32, 64)), torch.randint(0, 512, (32, 64))
+    return GPT().eval(), nn.CrossEntropyLoss(), [(X, y)], ("ln_f", "output", 0)
+
+
+PROBLEMS = {"MLP": mlp_problem, "3c3d": cnn_3c3d_problem, "GPT": gpt_problem}
+
+
+# ------------------------------------------------------------------------------------------
+# Operators: (ours, reference) factories
+# ------------------------------------------------------------------------------------------
+
+
+def operator_pairs(model, loss_fn, data, activation):
+    import curvlinops
+    from curvlinops.experimental.activation_hessian import ActivationHessianLinearOperator
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    kfac_names = [
+        f"{name}.{kind}"
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, nn.Conv2d)) and not name.endswith("out_proj")
+        for kind, _ in module.named_parameters(recurse=False)
+    ]
+    kfac_params = [dict(model.named_parameters())[name] for name in kfac_names]
+    return {
+        "Hessian": (
+            lambda: HessianOperator(model, loss_fn, None, data),
+            lambda: curvlinops.HessianLinearOperator(model, loss_fn, params, data),
+        ),
+        "GGN": (
+            lambda: GGNOperator(model, loss_fn, None, data),
+            lambda: curvlinops.GGNLinearOperator(model, loss_fn, params, data),
+        ),
+        "EF": (
+            lambda: EFOperator(model, loss_fn, None, data),
+            lambda: curvlinops.EFLinearOperator(model, loss_fn, params, data),
+        ),
+        "MC Fisher": (
+            lambda: MCFisherOperator(model, loss_fn, None, data),
+            lambda: curvlinops.FisherMCLinearOperator(model, loss_fn, params, data),
+        ),
+        "Jacobian": (
+            lambda: JacobianOperator(model, None, data),
+            lambda: curvlinops.JacobianLinearOperator(model, params, data),
+        ),
+        "transposed Jacobian": (
+            lambda: TransposedJacobianOperator(model, None, data),
+            lambda: curvlinops.TransposedJacobianLinearOperator(model, params, data),
+        ),
+        "activation Hessian": (
+            lambda: ActivationHessianOperator(model, loss_fn, activation, data),
+            lambda: ActivationHessianLinearOperator(model, loss_fn, activation, data),
+        ),
+        "KFAC": (
+            lambda: KFACOperator(model, loss_fn, kfac_names, data),
+            lambda: curvlinops.KFACLinearOperator(model, loss_fn, kfac_params, data),
+        ),
+        "EKFAC": (
+            lambda: EKFACOperator(model, loss_fn, kfac_names, data),
+            lambda: curvlinops.EKFACLinearOperator(model, loss_fn, kfac_params, data),
+        ),
+    }
+
+
+# ------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096
+
+
+def timed_with_peak_memory(fn) -> tuple[float, float]:
+    """CPU time (ms) of ``fn`` and the peak growth of the resident set size while it runs
+    (MiB, sampled every ms by another thread, whose time is not counted)."""
+    baseline, peak, running = _rss_bytes(), [0], [True]
+
+    def sample():
+        while running[0]:
+            peak[0] = max(peak[0], _rss_bytes())
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        start = time.thread_time()
+        fn()
+        milliseconds = 1e3 * (time.thread_time() - start)
+    finally:
+        running[0] = False
+        sampler.join()
+    return milliseconds, max(peak[0], _rss_bytes()) / 2**20 - baseline / 2**20
+
+
+def alternating_min_times(fns: list, repeats: int) -> list[float]:
+    """Minimum CPU time (ms) of each function, calling them in turn ``repeats`` times."""
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.thread_time()
+            fn()
+            best[i] = min(best[i], 1e3 * (time.thread_time() - start))
+    return best
+
+
+def gradient_time(model, loss_fn, data, repeats: int) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def gradient():
+        for X, y in data:
+            torch.autograd.grad(loss_fn(model(X), y), params)
+
+    gradient()  # warm-up
+    return alternating_min_times([gradient], repeats)[0]
+
+
+def construct(factory, warm_up: bool):
+    """Construct (twice when ``warm_up``: the first call pays one-time costs), time the last."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if warm_up:
+            factory()
+        start = time.thread_time()
+        operator = factory()
+    return operator, 1e3 * (time.thread_time() - start)
+
+
+def measure(factories, repeats: int, warm_up: bool) -> dict:
+    """Both operators of one kind: construction, 1- and 16-column products, memory.
+
+    The first 16-column product of each operator also measures its memory.
+    """
+    operators, results = [], {}
+    for side, factory in zip(("ours", "ref"), factories):
+        try:
+            operator, milliseconds = construct(factory, warm_up)
+        except Exception as error:  # the reference does not support every problem
+            results[side] = f"n/a ({type(error).__name__})"
+            continue
+        operators.append((side, operator))
+        results[side] = {"construct": milliseconds}
+    if not operators:
+        return results
+    generator = torch.Generator().manual_seed(0)
+    D = operators[0][1].shape[1]
+    v, V = torch.randn(D, generator=generator), torch.randn(D, COLUMNS, generator=generator)
+    for side, A in operators:
+        A @ v  # warm-up
+        results[side]["matrix"], results[side]["memory"] = timed_with_peak_memory(
+            lambda A=A: A @ V
+        )
+    vector_times = alternating_min_times([lambda A=A: A @ v for _, A in operators], repeats)
+    matrix_times = alternating_min_times([lambda A=A: A @ V for _, A in operators], repeats - 1)
+    for (side, _), t1, tk in zip(operators, vector_times, matrix_times):
+        results[side].update({"vector": t1, "matrix": min(tk, results[side]["matrix"])})
+    return results
+
+
+def _format(value, digits=1) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def run(problems: list[str], repeats: dict[str, int]) -> str:
+    torch.manual_seed(0)
+    sections = [
+        f"## Curvature operators vs curvlinops\n\n{machine()}; curvlinops "
+        f"{version('curvlinops-for-pytorch')}. CPU times in ms of one thread (minimum over "
+        f"alternating repeats: {repeats}); memory = peak RSS growth during the {COLUMNS}-column "
+        "product (MiB). ratio = curvlinops time / avionics time (> 1: avionics is faster)."
+    ]
+    warm_up = True
+    for name in problems:
+        model, loss_fn, data, activation = PROBLEMS[name]()
+        gradient_ms = gradient_time(model, loss_fn, data, repeats[name])
+        rows = []
+        for kind, factories in operator_pairs(model, loss_fn, data, activation).items():
+            print(f"{name}: {kind}", flush=True)
+            # curvlinops cannot differentiate through the fused attention kernels (forward
+            # mode, double backward); select the math kernel for it as avionics does itself.
+            with math_attention():
+                results = measure(factories, repeats[name], warm_up)
+            warm_up = False
+            ours, ref = results["ours"], results["ref"]
+            if not isinstance(ours, dict):
+                rows.append([kind, ours] + [""] * 11)
+                continue
+            row = [kind]
+            for key in ("construct", "vector", "matrix"):
+                row.append(_format(ours[key]))
+                row.append(_format(ref[key]) if isinstance(ref, dict) else ref)
+                row.append(_format(ref[key] / ours[key], 2) if isinstance(ref, dict) else "")
+            row.append(_format(ours["vector"] / gradient_ms, 2))
+            row.append(_format(ours["memory"], 0))
+            row.append(_format(ref["memory"], 0) if isinstance(ref, dict) else "")
+            rows.append(row)
+        header = ["operator"]
+        for key in ("construct", "1 column", f"{COLUMNS} columns"):
+            header += [f"{key} (ours)", f"{key} (curvlinops)", "ratio"]
+        header += ["1 column / gradient", "MiB (ours)", "MiB (curvlinops)"]
+        note = (
+            "\n\ncurvlinops as installed fails on this model (NotImplementedError: no forward-mode"
+            " derivative / double backward for the fused attention kernels); the benchmark "
+            "runs both libraries with the math attention kernel, which avionics selects itself."
+            if name == "GPT"
+            else ""
+        )
+        sections.append(
+            f"### {name}\n\nOne gradient: {gradient_ms:.1f} ms.{note}\n\n{table(header, rows)}"
+        )
+    return "\n\n".join(sections)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
+    parser.add_argument("--repeats", type=int, nargs=3, default=[10, 1, 2],
+                        help="timed repeats on MLP, 3c3d, GPT")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--no-write", action="store_true", help="print, don't write the file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    markdown = run(args.problems, dict(zip(PROBLEMS, args.repeats)))
+    print(markdown)
+    if not args.no_write:
+        write_section("curvature-operators", markdown)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,108 @@
+"""The activation Hessian: against autograd references, layer-input/-output agreement, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from curvature_problems import TinyTransformer, problem
+from torch import nn
+from torch.autograd.functional import hessian
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from avionics.curvature import ActivationHessianOperator
+
+
+def dense(A) -> torch.Tensor:
+    return A @ torch.eye(A.shape[1], dtype=A.dtype)
+
+
+def test_mlp_layer_input_equals_output_of_layer_feeding_it_and_reference():
+    model, loss_fn, data, _ = problem("mlp")
+    X, y = data[2]
+    by_input = ActivationHessianOperator(model, loss_fn, ("2", "input", 0), [(X, y)])
+    by_output = ActivationHessianOperator(model, loss_fn, ("1", "output", 0), [(X, y)])
+    Z = model[:2](X).detach()
+    expected = hessian(lambda z: loss_fn(model[2](z.view_as(Z)), y), Z.flatten())
+    assert by_input.shape == (Z.numel(), Z.numel()) == (20, 20)
+    torch.testing.assert_close(dense(by_input), expected)
+    torch.testing.assert_close(dense(by_output), expected)
+
+
+@pytest.mark.parametrize("reduction,scale", [("mean", 1 / 4), ("sum", 1.0)])
+def test_identity_before_softmax_cross_entropy_is_block_diagonal(reduction, scale):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Identity()).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 5, (4,))
+    loss_fn = nn.CrossEntropyLoss(reduction=reduction)
+    A = ActivationHessianOperator(model, loss_fn, ("1", "output", 0), [(X, y)])
+    p = model(X).softmax(-1).detach()
+    blocks = [torch.diag(p_n) - torch.outer(p_n, p_n) for p_n in p]
+    torch.testing.assert_close(dense(A), scale * torch.block_diag(*blocks))
+    by_input = ActivationHessianOperator(model, loss_fn, ("1", "input", 0), [(X, y)])
+    torch.testing.assert_close(dense(by_input), dense(A))
+
+
+def test_transformer_sequence_activation_through_attention():
+    model, loss_fn, data, _ = problem("transformer")
+    X, y = data[0]
+    A = ActivationHessianOperator(model, loss_fn, ("head", "input", 0), [(X, y)])
+    with torch.no_grad():
+        x = model.embedding(X)
+        N, T, W = x.shape
+        q, k, v = model.qkv(model.norm(x)).split(W, dim=-1)
+        q, k, v = (t.view(N, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+        attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        Z = x + attended.transpose(1, 2).reshape(N, T, W)
+    expected = hessian(lambda z: loss_fn(model.head(z.view_as(Z)).transpose(1, 2), y), Z.flatten())
+    assert A.in_shapes == [Z.shape]
+    torch.testing.assert_close(dense(A), expected)
+    # The embedding output feeds the norm and the residual: all uses count.
+    embedding = ActivationHessianOperator(model, loss_fn, ("embedding", "output", 0), [(X, y)])
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = hessian(lambda z: _from_embedding(model, z.view_as(x), y, loss_fn), x.flatten())
+    torch.testing.assert_close(dense(embedding), expected)
+
+
+def _from_embedding(model: TinyTransformer, x, y, loss_fn):
+    N, T, W = x.shape
+    q, k, v = model.qkv(model.norm(x)).split(W, dim=-1)
+    q, k, v = (t.view(N, T, 2, -1).transpose(1, 2) for t in (q, k, v))
+    attended = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return loss_fn(model.head(x + attended.transpose(1, 2).reshape(N, T, W)).transpose(1, 2), y)
+
+
+def test_columns_in_chunks_agree_with_single_columns():
+    model, loss_fn, data, _ = problem("cnn")
+    X, y = data[0]
+    A = ActivationHessianOperator(model, loss_fn, ("1", "output", 0), [(X, y)], chunk_size=5)
+    H = dense(A)
+    torch.testing.assert_close(H, H.T)
+    v = torch.randn(A.shape[1], dtype=torch.float64)
+    torch.testing.assert_close(A @ v, H @ v)
+    torch.testing.assert_close(A @ v, A @ v, rtol=0, atol=0)
+    assert H.abs().max() > 1e-3
+
+
+def test_whole_model_output_and_input_of_model():
+    model, loss_fn, data, _ = problem("mlp", "mse", "sum")
+    X, y = data[0]
+    A = ActivationHessianOperator(model, loss_fn, ("", "output", 0), [(X, y)])
+    torch.testing.assert_close(dense(A), 2 * torch.eye(A.shape[0], dtype=torch.float64))
+    inputs = ActivationHessianOperator(model, loss_fn, ("", "input", 0), [(X, y)])
+    expected = hessian(lambda x: loss_fn(model(x.view_as(X)), y), X.flatten())
+    torch.testing.assert_close(dense(inputs), expected)
+
+
+def test_errors():
+    model, loss_fn, data, _ = problem("mlp")
+    batch = [data[0]]
+    with pytest.raises(ValueError, match=r"no module named '3'.*\['', '0', '1', '2'\]"):
+        ActivationHessianOperator(model, loss_fn, ("3", "output", 0), batch)
+    with pytest.raises(ValueError, match=r"one of \('input', 'output'\), got 'outputs'"):
+        ActivationHessianOperator(model, loss_fn, ("1", "outputs", 0), batch)
+    with pytest.raises(IndexError, match="has 1 element.*no index 1"):
+        ActivationHessianOperator(model, loss_fn, ("1", "input", 1), batch)
+    with pytest.raises(IndexError, match="has 1 element.*no index 2"):
+        ActivationHessianOperator(model, loss_fn, ("1", "output", 2), batch)
+    with pytest.raises(ValueError, match="requires a single batch, got 3"):
+        ActivationHessianOperator(model, loss_fn, ("1", "output", 0), data)

@@ -1,0 +1,179 @@
+"""KFAC: exact where the Kronecker factorisation is exact, its damped inverse, MC, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from curvature_problems import dense_empirical_fisher, dense_ggn
+from torch import nn
+
+from avionics.curvature import EKFACOperator, KFACOperator
+
+
+def dense(A) -> torch.Tensor:
+    return A @ torch.eye(A.shape[1], dtype=A.dtype)
+
+
+def block_diagonal_part(matrix: torch.Tensor, model: nn.Module, groups: list[list[int]]):
+    """Keep the blocks of ``matrix`` whose rows and columns belong to one group of params."""
+    sizes = [p.numel() for p in model.parameters()]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    mask = torch.zeros_like(matrix, dtype=torch.bool)
+    for group in groups:
+        index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+        mask[index[:, None], index[None, :]] = True
+    return matrix * mask
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _single_sample(loss_name: str):
+    X = torch.randn(1, 4, dtype=torch.float64)
+    y = torch.randint(0, 3, (1,)) if loss_name == "ce" else torch.randn(1, 3, dtype=torch.float64)
+    return [(X, y)]
+
+
+@pytest.mark.parametrize("separate", [True, False])
+@pytest.mark.parametrize("loss_fn", [nn.CrossEntropyLoss(), nn.MSELoss(reduction="sum")])
+def test_type2_is_exact_for_a_single_sample(loss_fn, separate):
+    model = _mlp()
+    data = _single_sample("ce" if isinstance(loss_fn, nn.CrossEntropyLoss) else "mse")
+    K = KFACOperator(
+        model, loss_fn, None, data, fisher_type="type-2", separate_weight_and_bias=separate
+    )
+    groups = [[0], [1], [2], [3]] if separate else [[0, 1], [2, 3]]
+    expected = block_diagonal_part(dense_ggn(model, loss_fn, data), model, groups)
+    torch.testing.assert_close(dense(K), expected)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_layer_with_mse_is_exact_over_batches_and_sequences(reduction):
+    """With MSE the loss Hessian is a multiple of I: B (x) A is the exact GGN of one layer,
+    also over several batches of unequal size and a sequence axis (the expand case)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, bias=False).double()
+    data = [
+        (torch.randn(n, 4, 3, dtype=torch.float64), torch.randn(n, 4, 2, dtype=torch.float64))
+        for n in (2, 3)
+    ]
+    loss_fn = nn.MSELoss(reduction=reduction)
+    K = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    torch.testing.assert_close(dense(K), dense_ggn(model, loss_fn, data))
+
+
+def test_convolution_with_one_output_position_is_exact():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Sigmoid(), nn.Linear(3, 2))
+    model = model.double()
+    data = [(torch.randn(1, 2, 3, 3, dtype=torch.float64), torch.randint(0, 2, (1,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    K = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    expected = block_diagonal_part(dense_ggn(model, loss_fn, data), model, [[0], [1], [2], [3]])
+    torch.testing.assert_close(dense(K), expected)
+
+
+def test_empirical_is_the_empirical_fisher_block_for_a_single_sample():
+    model = _mlp()
+    data, loss_fn = _single_sample("ce"), nn.CrossEntropyLoss()
+    K = KFACOperator(model, loss_fn, None, data, fisher_type="empirical")
+    groups = [[0], [1], [2], [3]]
+    expected = block_diagonal_part(dense_empirical_fisher(model, loss_fn, data), model, groups)
+    torch.testing.assert_close(dense(K), expected)
+
+
+def test_mc_converges_to_type2():
+    model = _mlp()
+    data = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)]
+    loss_fn = nn.CrossEntropyLoss()
+    exact = dense(KFACOperator(model, loss_fn, None, data, fisher_type="type-2"))
+    errors = [
+        (dense(KFACOperator(model, loss_fn, None, data, mc_samples=m)) - exact).norm()
+        / exact.norm()
+        for m in (1, 3000)
+    ]
+    assert errors[1] < 0.05 < errors[0]
+
+
+def test_damped_inverse():
+    model = _mlp()
+    data = [(torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,)))]
+    K = KFACOperator(model, nn.CrossEntropyLoss(), None, data)
+    damping = 0.1
+    inverse = K.inverse(damping)
+    identity = torch.eye(K.shape[1], dtype=torch.float64)
+    torch.testing.assert_close(dense(inverse), torch.linalg.inv(dense(K) + damping * identity))
+    with pytest.raises(ValueError, match="damping must be positive"):
+        K.inverse(0.0)
+
+
+def test_errors():
+    model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).double()
+    data = [(torch.randn(2, 4, dtype=torch.float64), torch.randint(0, 3, (2,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match=r"\['1.weight', '1.bias'\] belong to other modules"):
+        KFACOperator(model, loss_fn, None, data)
+    K = KFACOperator(model, loss_fn, ["0.weight", "0.bias"], data)
+    assert K.shape == (15, 15)
+    with pytest.raises(ValueError, match="fisher_type must be one of"):
+        KFACOperator(model, loss_fn, ["0.weight"], data, fisher_type="exact")
+    with pytest.raises(TypeError, match="needs the model as an nn.Module"):
+        KFACOperator(lambda p, X: X, loss_fn, {"w": torch.zeros(1)}, data)
+    grouped = nn.Sequential(nn.Conv2d(2, 2, 1, groups=2), nn.Flatten()).double()
+    images = [(torch.randn(2, 2, 1, 1, dtype=torch.float64), torch.randint(0, 2, (2,)))]
+    with pytest.raises(ValueError, match="Conv2d with groups"):
+        KFACOperator(grouped, loss_fn, None, images)
+
+
+def test_ekfac_is_the_exact_diagonal_in_the_kronecker_eigenbasis():
+    model = _mlp()
+    data = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)]
+    loss_fn = nn.CrossEntropyLoss()
+    kfac = KFACOperator(model, loss_fn, ["2.weight"], data, fisher_type="type-2")
+    ekfac = EKFACOperator(model, loss_fn, ["2.weight"], data, fisher_type="type-2")
+    ggn = block_diagonal_part(dense_ggn(model, loss_fn, data), model, [[2]])[25:40, 25:40]
+    (block,) = kfac.blocks
+    Q_B, Q_A = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
+    basis = torch.stack([torch.outer(Q_B[:, i], Q_A[:, j]).flatten()
+                         for i in range(3) for j in range(5)], dim=1)  # fmt: skip
+    exact_diagonal = torch.diag(basis.T @ ggn @ basis)
+    torch.testing.assert_close(torch.diag(basis.T @ dense(ekfac) @ basis), exact_diagonal)
+    assert not torch.allclose(torch.diag(basis.T @ dense(kfac) @ basis), exact_diagonal)
+    torch.testing.assert_close(basis.T @ dense(ekfac) @ basis, torch.diag(exact_diagonal))
+
+
+def test_ekfac_equals_kfac_where_kfac_is_exact_and_its_damped_inverse():
+    model = _mlp()
+    data, loss_fn = _single_sample("ce"), nn.CrossEntropyLoss()
+    kfac = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    ekfac = EKFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    torch.testing.assert_close(dense(ekfac), dense(kfac))
+    identity = torch.eye(ekfac.shape[1], dtype=torch.float64)
+    torch.testing.assert_close(
+        dense(ekfac.inverse(0.5)), torch.linalg.inv(dense(ekfac) + 0.5 * identity)
+    )
+
+
+def test_layers_whose_forward_is_not_called_are_refused():
+    torch.manual_seed(0)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention, self.head = (
+                nn.MultiheadAttention(4, 2, batch_first=True),
+                nn.Linear(4, 2),
+            )
+
+        def forward(self, x):
+            return self.head(self.attention(x, x, x, need_weights=False)[0].mean(1))
+
+    model = Attention().double().eval()
+    data = [(torch.randn(3, 5, 4, dtype=torch.float64), torch.randint(0, 2, (3,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    with pytest.raises(ValueError, match=r"\['attention.out_proj'\] were not called"):
+        KFACOperator(model, loss_fn, ["attention.out_proj.weight", "head.weight"], data)
+    K = KFACOperator(model, loss_fn, ["head.weight", "head.bias"], data, fisher_type="type-2")
+    assert dense(K).shape == (10, 10)
