@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 # The direction named "grad" is always the mean gradient g = mean_n g_n; rules may compute
@@ -68,7 +69,7 @@ class Accumulator:
     def add(self, chunk: Tensor) -> None:
         flat = chunk.reshape(chunk.shape[0], -1)
         if self.request.sq_norms:
-            self.sq_norms.append(flat.pow(2).sum(1))
+            self.sq_norms.append(torch.linalg.vector_norm(flat, dim=1).square())
         for name, v in self.directions.items():
             self.projections[name].append(flat @ v.flatten())
         if self.request.sum_sq:
@@ -89,6 +90,4 @@ class Accumulator:
 
 
 def _cat(chunks: list[Tensor]) -> Tensor:
-    import torch
-
     return torch.cat(chunks) if len(chunks) > 1 else chunks[0]

@@ -4,22 +4,18 @@ Three diagonals h of the Hessian of L = mean_n l_n (SPEC section 2, TIC and Hess
 
 * ``"diag_ggn_exact"``: the diagonal of the generalized Gauss-Newton G = (1/N) sum_n
   J_n^T H_n J_n, with J_n the Jacobian of the model output for sample n and H_n the Hessian of
-  l_n w.r.t. that output. Write H_n = S_n S_n^T (S_n = Q_n Lambda_n^{1/2} from its
-  eigendecomposition, M columns for M output entries); then
-  G_dd = (1/N) sum_n sum_c (J_n^T s_{n,c})_d^2: the per-sample "gradients" obtained by
-  backpropagating the columns s_{n,c} instead of dl_n/dout, squared and summed. All M columns
-  go back through the network in ONE batched backward (``is_grads_batched``), which yields the
-  gradient w.r.t. every captured module output for every column; the per-sample engine then
-  turns each column's output gradients into sum_n g_{n,d}^2 with its closed-form rules (tied
-  weights, adopted parameters, custom modules included).
-
-  The model output itself is not kept by the capture, only its autograd edge; the columns are
-  therefore injected through the loss: with u_n = dl_n/dout (differentiable, taken w.r.t. the
-  output's edge), backpropagating <u_n, v_n> gives J_n^T H_n v_n at every module output, and
-  v = Q Lambda^{-1/2} gives H v = S. Eigenvalues below eps^(2/3) * max are dropped (their
-  contribution is below that relative size; dividing by their root would amplify round-off).
-* ``"diag_ggn_mc"``: the same with s_n = S_n z_n, z_n ~ N(0, I) from a seeded generator
-  (E[s s^T] = H_n), averaged over ``mc_samples`` draws: an unbiased estimate.
+  l_n w.r.t. that output. Write H_n = S_n S_n^T; then G_dd = (1/N) sum_n sum_j (J_n^T S_n
+  e_j)_d^2: the per-sample "gradients" obtained by backpropagating the columns S_n e_j instead
+  of dl_n/dout, squared and summed. S_n has closed forms for softmax cross-entropy (also per
+  token of a sequence: the loss Hessian is block-diagonal over positions) and squared error,
+  recognised from the loss's graph and verified numerically (:func:`loss_hessian_root`); any
+  other loss gets a dense eigendecomposition of H_n. Each column goes back from the model
+  output to every captured module output in one backward; the squared per-sample gradients are
+  summed over columns by :class:`_ColumnSums` (a closed form for Linear layers without shared
+  axes, the per-sample engine's rules for everything else).
+* ``"diag_ggn_mc"``: the same with S_n z_n, z_n ~ N(0, I) from a seeded generator
+  (E[S z z^T S^T] = H_n), averaged over ``mc_samples`` draws: an unbiased estimate, one
+  backward per draw whatever the output size.
 * ``"diag_h"``: the exact Hessian diagonal. For networks that are piecewise linear in each
   single weight (Sequential stacks of Linear/Conv/ReLU/pooling/Flatten/Dropout/Identity), the
   second derivative of the output w.r.t. a single weight vanishes, so diag(H) = diag(G) and the
@@ -29,8 +25,8 @@ Three diagonals h of the Hessian of L = mean_n l_n (SPEC section 2, TIC and Hess
   parameters an error names the modules that are not piecewise linear and the variants that
   do work.
 
-The loss Hessian w.r.t. the output is formed densely per sample (M x M, M = number of output
-entries of one sample), so the GGN variants need M <= ``MAX_OUTPUT_SIZE``.
+The exact GGN diagonal backpropagates M columns (M = number of output entries of one sample),
+so it needs M <= ``MAX_OUTPUT_SIZE`` (so does the dense loss Hessian of an unrecognised loss).
 """
 
 from __future__ import annotations
@@ -178,19 +174,17 @@ def ggn_diagonal(
     out_edge = _edge(root.nodes[0])
     out_shape = root.outputs[root.node_outputs[0]].shape
     m = out_shape.numel() // n
-    if individual_losses.grad_fn is None:
-        raise RuntimeError("The GGN diagonal needs info['individual_losses'] with its graph.")
+    if mc_samples is None and m > MAX_OUTPUT_SIZE:
+        raise ValueError(
+            f"The exact GGN diagonal backpropagates one column per output entry of a sample: "
+            f"the model output has shape {tuple(out_shape)}, {m} entries per sample (limit "
+            f"{MAX_OUTPUT_SIZE}). Use curvature='diag_ggn_mc'."
+        )
     (u,) = torch.autograd.grad(
         individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
     )
     root_of = loss_hessian_root(individual_losses, root, u)
     if mc_samples is None:
-        if m > MAX_OUTPUT_SIZE:
-            raise ValueError(
-                f"The exact GGN diagonal backpropagates one column per output entry of a "
-                f"sample: the model output has shape {tuple(out_shape)}, {m} entries per sample "
-                f"(limit {MAX_OUTPUT_SIZE}). Use curvature='diag_ggn_mc'."
-            )
         eye = torch.eye(m, dtype=u.dtype, device=u.device)
         zs = (eye[j].expand(n, m) for j in range(m))
     else:
@@ -204,8 +198,8 @@ def ggn_diagonal(
             [out_edge], sums.edges, [column], retain_graph=True, allow_unused=True
         )
         sums.add(grads)
-    count = m if mc_samples is None else mc_samples
-    return [t.div_(n if mc_samples is None else n * count) for t in sums.result()]
+    scale = n if mc_samples is None else n * mc_samples
+    return [t.div_(scale) for t in sums.result()]
 
 
 def _root_call(model: nn.Module, calls: dict, n: int):
@@ -241,7 +235,7 @@ def loss_hessian_root(individual_losses: Tensor, root, u: Tensor):
     (z and the result: [N, M], batch first, the sample's output flattened).
 
     Closed forms where the loss graph establishes them, each verified with one random probe
-    (H v from autograd against the formula, relative residual <= sqrt(eps) * 100):
+    (H v from autograd against the formula, relative residual <= 10 sqrt(eps)):
 
     * softmax cross-entropy: l_n's graph reaches the output through one log-softmax (and
       layout operations only), and H_n = blockdiag_t c_t (diag p_t - p_t p_t^T) over the
@@ -266,7 +260,7 @@ def loss_hessian_root(individual_losses: Tensor, root, u: Tensor):
         [u], [out_edge], [v.movedim(0, root.batch_axis)], retain_graph=True
     )
     hv = hv.movedim(root.batch_axis, 0)
-    tol = 100 * torch.finfo(u.dtype).eps ** 0.5 * float(hv.norm())
+    tol = 10 * torch.finfo(u.dtype).eps ** 0.5 * float(hv.norm())
 
     probs = _softmax_probabilities(individual_losses, root)
     if probs is not None:
@@ -303,7 +297,7 @@ def _softmax_probabilities(individual_losses: Tensor, root) -> Tensor | None:
     log_p, (node, nr) = found[0]._saved_result, found[0].next_functions[0]
     chain = []
     while node is not out_node:
-        if type(node).__name__ not in _LAYOUT_NODES or node is None:
+        if node is None or type(node).__name__ not in _LAYOUT_NODES:
             return None
         chain.append(node)
         node, nr = node.next_functions[0]
@@ -316,7 +310,7 @@ def _softmax_probabilities(individual_losses: Tensor, root) -> Tensor | None:
 
 def _probability_axes(p: Tensor) -> list[int]:
     """The axes (not the batch axis 0) along which p sums to one everywhere."""
-    tol = 100 * torch.finfo(p.dtype).eps ** 0.5
+    tol = 10 * torch.finfo(p.dtype).eps ** 0.5
     return [a for a in range(1, p.dim()) if bool(((p.sum(a) - 1).abs() <= tol).all())]
 
 

@@ -57,7 +57,9 @@ class Bilinear:
             if self.t == 1 and MEAN_GRADIENT in directions and self._mean_projection_by_gram():
                 out["sq_norms"] = self._gram().diagonal()
             elif self.t == 1:
-                out["sq_norms"] = (d.pow(2).sum(-1) * x.pow(2).sum(-1)).sum((1, 2))
+                d_sq = torch.linalg.vector_norm(d, dim=-1).square()
+                x_sq = torch.linalg.vector_norm(x, dim=-1).square()
+                out["sq_norms"] = (d_sq * x_sq).sum((1, 2))
             else:
                 dd = torch.einsum("ngto,ngso->ngts", d, d)
                 xx = torch.einsum("ngti,ngsi->ngts", x, x)

@@ -58,7 +58,9 @@ class EmbeddingRule(Rule):
         out: dict = {}
         n, rows = self.n, self.rows
         if request.sq_norms:
-            out["sq_norms"] = rows.new_zeros(n).index_add_(0, self.row_sample, rows.pow(2).sum(1))
+            out["sq_norms"] = rows.new_zeros(n).index_add_(
+                0, self.row_sample, torch.linalg.vector_norm(rows, dim=1).square()
+            )
         if directions[0]:
             out["projections"] = {
                 name: rows.new_zeros(n).index_add_(
