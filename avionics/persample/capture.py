@@ -52,6 +52,7 @@ class ModuleCall:
     nodes: list
     node_outputs: list[int]
     batch_axis: int
+    inputs: list[Tensor]
     input_versions: list[int]
     grad_outputs: list[Tensor | None] = field(default_factory=list)
 
@@ -60,20 +61,17 @@ class ModuleCall:
 
     def carries_batch(self, n: int) -> bool:
         """Whether the first input tensor has the ``n`` samples on the batch axis."""
-        for t in pytree.tree_leaves((self.args, self.kwargs)):
-            if isinstance(t, Tensor):
-                return t.dim() > self.batch_axis and t.shape[self.batch_axis] == n
-        return False
+        if not self.inputs:
+            return False
+        first = self.inputs[0]
+        return first.dim() > self.batch_axis and first.shape[self.batch_axis] == n
 
     @property
     def received_gradient(self) -> bool:
         return any(g is not None for g in self.grad_outputs)
 
     def check_inputs_unchanged(self, name: str) -> None:
-        tensors = [
-            t for t in pytree.tree_leaves((self.args, self.kwargs)) if isinstance(t, Tensor)
-        ]
-        for t, version in zip(tensors, self.input_versions, strict=True):
+        for t, version in zip(self.inputs, self.input_versions, strict=True):
             if t._version != version:
                 raise RuntimeError(
                     f"The input of module '{name}' was modified in place after the module "
@@ -146,11 +144,11 @@ class Capture:
             roots = [i for i, c in enumerate(self.calls) if c.module is self.root]
             if len(roots) >= MAX_ROOT_CALLS:  # drop the oldest forward's calls
                 self.calls = [c for c in self.calls[roots[0] + 1 :]]
-        outputs = [t for t in pytree.tree_leaves(output) if isinstance(t, Tensor)]
+        outputs = _tensors(output)
         # The node that produced each output, taken now: a later in-place operation (ReLU with
         # inplace=True) replaces the tensor's grad_fn.
         nodes = [(t.grad_fn, t.output_nr) if t.grad_fn is not None else t for t in outputs]
-        inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+        inputs = _tensors(args) + (_tensors(kwargs) if kwargs else [])
         self.calls.append(
             ModuleCall(
                 module=module,
@@ -160,6 +158,7 @@ class Capture:
                 nodes=[n for n, t in zip(nodes, outputs) if t.requires_grad],
                 node_outputs=[i for i, t in enumerate(outputs) if t.requires_grad],
                 batch_axis=self._axes.get(module, 0),
+                inputs=inputs,
                 input_versions=[t._version for t in inputs],
             )
         )
@@ -193,6 +192,15 @@ class Capture:
             if call.received_gradient:
                 grouped[call.module].append(call)
         return dict(grouped)
+
+
+def _tensors(tree) -> list[Tensor]:
+    """The tensors in a pytree, in flattening order (fast for a tensor or a tuple of them)."""
+    if isinstance(tree, Tensor):
+        return [tree]
+    if isinstance(tree, tuple) and all(isinstance(t, Tensor) for t in tree):
+        return list(tree)
+    return [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
 
 
 def _storer(call: ModuleCall, index: int):
