@@ -1,0 +1,303 @@
+"""HessMaxEV, HessTrace, TICDiag, TICTrace against brute force (float64) on the test models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.func import functional_call
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from avionics import Cockpit
+from avionics.persample import second_order
+from avionics.quantities import HessMaxEV, HessTrace, Loss, TICDiag, TICTrace
+from tests.models import ARCHITECTURES, per_sample_gradients
+
+EPS = 1e-7
+
+
+@pytest.fixture(autouse=True)
+def math_attention():
+    """PyTorch's fused attention kernels have no second derivative; curvature needs the math
+    kernel on tracked steps (the instruments say so when it is missing)."""
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _params(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _mean_loss_fn(model, X, y, loss_fn):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for p in _params(model)]
+    sizes = [s.numel() for s in shapes]
+
+    def f(flat):
+        tensors = [t.reshape(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
+        return loss_fn(functional_call(model, dict(zip(names, tensors, strict=True)), (X,)), y)
+
+    return f
+
+
+def dense_hessian(model, X, y, loss_fn):
+    """Hessian of the mean loss, one autograd row per parameter coordinate."""
+    flat = torch.cat([p.detach().reshape(-1) for p in _params(model)]).requires_grad_(True)
+    f = _mean_loss_fn(model, X, y, loss_fn)
+    (g,) = torch.autograd.grad(f(flat).mean(), flat, create_graph=True)
+    eye = torch.eye(len(flat), dtype=flat.dtype)
+    try:
+        return torch.autograd.grad(g, flat, eye, retain_graph=True, is_grads_batched=True)[0]
+    except RuntimeError:  # an operation vmap cannot batch: one row at a time
+        rows = [torch.autograd.grad(g[d], flat, retain_graph=True)[0] for d in range(len(flat))]
+        return torch.stack(rows)
+
+
+def dense_ggn(model, X, y, loss_fn):
+    """(1/N) sum_n J_n^T H_n J_n, per sample from its own forward."""
+    flat = torch.cat([p.detach().reshape(-1) for p in _params(model)]).requires_grad_(True)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    shapes = [p.shape for p in _params(model)]
+    sizes = [s.numel() for s in shapes]
+    total = 0
+    for n in range(len(X)):
+        tensors = [t.reshape(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
+        out = functional_call(model, dict(zip(names, tensors, strict=True)), (X[n : n + 1],))
+        o = out.reshape(-1)
+        J = torch.stack(
+            [torch.autograd.grad(o[i], flat, retain_graph=True)[0] for i in range(len(o))]
+        )
+        H = torch.autograd.functional.hessian(
+            lambda z, shape=out.shape, t=y[n : n + 1]: loss_fn(z.reshape(shape), t).sum(),
+            o.detach(),
+        )
+        total = total + J.T @ H @ J
+    return total / len(X)
+
+
+def _run(model, X, y, loss_fn, quantities, steps=1, lr=0.0, reduction="mean", before_update=None):
+    cockpit = Cockpit(model, quantities=quantities)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    outputs = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        losses = loss_fn(model(X), y)
+        loss = losses.mean() if reduction == "mean" else losses.sum()
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
+        with cockpit(step, info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        outputs.append(cockpit.get_output()[step])
+        if before_update is not None:
+            before_update(step, outputs[-1])
+        opt.step()
+    for p in model.parameters():
+        p.grad = None
+    return outputs
+
+
+def _expected(model, X, y, loss_fn, h):
+    params = _params(model)
+    sizes = [p.numel() for p in params]
+    g = per_sample_gradients(model, X, y, loss_fn)
+    m2 = torch.cat([t.pow(2).mean(0).reshape(-1) for t in g])
+    traces = [d.sum() for d in h.split(sizes)]
+    return traces, (m2 / (h + EPS)).sum(), m2.sum() / (h.sum() + EPS)
+
+
+@pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_exact"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_curvature_diagonals_match_brute_force(arch, curvature):
+    model, X, y, loss_fn = ARCHITECTURES[arch]()
+    qs = [
+        HessTrace(curvature=curvature),
+        TICDiag(curvature=curvature),
+        TICTrace(curvature=curvature),
+    ]
+    (out,) = _run(model, X, y, loss_fn, qs)
+    dense = dense_hessian if curvature == "diag_h" else dense_ggn
+    h = torch.diagonal(dense(model, X, y, loss_fn))
+    traces, tic_diag, tic_trace = _expected(model, X, y, loss_fn, h)
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64),
+        torch.stack(traces),
+        rtol=1e-7,
+        atol=1e-10,
+    )
+    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
+
+
+def relu_mlp(n=6, seed=1):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
+    X, y = torch.randn(n, 5), torch.randint(0, 3, (n,))
+    return (
+        model.double(),
+        X.double(),
+        y,
+        lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"),
+    )
+
+
+def relu_cnn_mse(n=4, seed=2):
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(12, 2)
+    )
+    X, y = torch.randn(n, 1, 6, 6), torch.randn(n, 2)
+    return model.double(), X.double(), y.double(), lambda o, t: (o - t).pow(2).sum(1)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("build", [relu_mlp, relu_cnn_mse])
+def test_piecewise_linear_hessian_diagonal_fast_path(build, reduction):
+    """Piecewise-linear nets take the GGN route for diag_h; it must equal the Hessian diagonal
+    (also for a sum-reduced loss: h is of the mean loss)."""
+    model, X, y, loss_fn = build()
+    (out,) = _run(model, X, y, loss_fn, [HessTrace(), TICDiag()], reduction=reduction)
+    h = torch.diagonal(dense_hessian(model, X, y, loss_fn))
+    traces, tic_diag, _ = _expected(model, X, y, loss_fn, h)
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64),
+        torch.stack(traces),
+        rtol=1e-7,
+        atol=1e-10,
+    )
+    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+
+
+def _check_against(out, model, X, y, loss_fn, h):
+    traces, tic_diag, _ = _expected(model, X, y, loss_fn, h)
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64),
+        torch.stack(traces),
+        rtol=1e-7,
+        atol=1e-10,
+    )
+    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+
+
+def _ggn_exact():
+    return [HessTrace(curvature="diag_ggn_exact"), TICDiag(curvature="diag_ggn_exact")]
+
+
+def token_model(n=4, seed=3):
+    """Per-token logits of a sequence ([N, T, V]); a sequence's loss is its mean token CE."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Embedding(7, 4), nn.Tanh(), nn.Linear(4, 5))
+    X, y = torch.randint(0, 7, (n, 6)), torch.randint(0, 5, (n, 6))
+
+    def loss_fn(o, t):
+        return nn.functional.cross_entropy(o.transpose(1, 2), t, reduction="none").mean(1)
+
+    return model.double(), X, y, loss_fn
+
+
+@pytest.mark.parametrize("build", ["mlp", token_model, relu_cnn_mse])
+def test_ggn_uses_closed_form_loss_hessian_roots(build, monkeypatch):
+    """Softmax cross-entropy (per sample, and per token of a sequence) and squared error are
+    recognised: no dense loss Hessian is formed, and the diagonal is the same."""
+    model, X, y, loss_fn = ARCHITECTURES[build]() if isinstance(build, str) else build()
+
+    def dense(*args):
+        raise AssertionError("the dense loss-Hessian root was used")
+
+    monkeypatch.setattr(second_order, "_dense_root", dense)
+    (out,) = _run(model, X, y, loss_fn, _ggn_exact())
+    _check_against(out, model, X, y, loss_fn, torch.diagonal(dense_ggn(model, X, y, loss_fn)))
+
+
+def test_ggn_of_an_unrecognised_loss_uses_the_dense_root(monkeypatch):
+    model, X, _, _ = relu_mlp()
+    targets = torch.randn(len(X), 3, dtype=torch.float64)
+
+    def loss_fn(o, t):  # log-cosh: a diagonal loss Hessian sech^2(o - t), not a scaled identity
+        return torch.log(torch.cosh(o - t)).sum(1)
+
+    used = []
+    dense = second_order._dense_root
+    monkeypatch.setattr(second_order, "_dense_root", lambda *a: used.append(1) or dense(*a))
+    (out,) = _run(model, X, targets, loss_fn, _ggn_exact())
+    assert used
+    h = torch.diagonal(dense_ggn(model, X, targets, loss_fn))
+    _check_against(out, model, X, targets, loss_fn, h)
+
+
+def test_mc_ggn_on_outputs_too_large_for_the_exact_diagonal(monkeypatch):
+    """A sequence output with more entries per sample than the exact diagonal allows: the exact
+    variant says so, the Monte-Carlo one (closed-form root per token) converges to it."""
+    model, X, y, loss_fn = token_model()
+    exact = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    traces, *_ = _expected(model, X, y, loss_fn, exact)
+    monkeypatch.setattr(second_order, "MAX_OUTPUT_SIZE", 8)
+    with pytest.raises(ValueError, match="diag_ggn_mc"):
+        _run(model, X, y, loss_fn, [HessTrace(curvature="diag_ggn_exact")])
+    (out,) = _run(model, X, y, loss_fn, [HessTrace(curvature="diag_ggn_mc", mc_samples=500)])
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64), torch.stack(traces), rtol=0.2, atol=0
+    )
+
+
+def test_mc_ggn_diagonal_converges_and_is_seedable():
+    model, X, y, loss_fn = ARCHITECTURES["mlp"]()
+    exact = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    traces, *_ = _expected(model, X, y, loss_fn, exact)
+    values = []
+    for samples, seed in [(500, 0), (500, 0), (500, 1)]:
+        q = HessTrace(curvature="diag_ggn_mc", mc_samples=samples, seed=seed)
+        (out,) = _run(model, X, y, loss_fn, [q])
+        values.append(torch.tensor(out["HessTrace"], dtype=torch.float64))
+    assert torch.equal(values[0], values[1])
+    assert not torch.equal(values[0], values[2])
+    torch.testing.assert_close(values[0], torch.stack(traces), rtol=0.2, atol=1e-6)
+    torch.testing.assert_close(values[2], torch.stack(traces), rtol=0.2, atol=1e-6)
+
+
+def test_diag_h_too_many_probes_names_modules():
+    model, X, y, loss_fn = ARCHITECTURES["mlp"]()
+    with pytest.raises(ValueError, match=r"'3' \(Tanh\).*diag_ggn_exact"):
+        _run(model, X, y, loss_fn, [HessTrace(max_probes=10)])
+
+
+def test_unknown_curvature_option():
+    with pytest.raises(ValueError, match="diag_ggn_mc"):
+        TICDiag(curvature="kfac")
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_hess_max_ev_matches_eigvalsh_during_training(arch):
+    """The default tol (1e-3) is the relative accuracy of the eigenvalue."""
+    model, X, y, loss_fn = ARCHITECTURES[arch]()
+    q = HessMaxEV(max_products=400)
+
+    def check(step, out):
+        lam = torch.linalg.eigvalsh(dense_hessian(model, X, y, loss_fn))
+        assert out["HessMaxEV"] == pytest.approx(float(lam[-1]), rel=1e-3)
+        checked.append(step)
+
+    checked = []
+    _run(model, X, y, loss_fn, [q], steps=3, lr=0.1, before_update=check)
+    assert checked == [0, 1, 2]
+
+
+def test_hess_max_ev_warm_start_and_budget():
+    model, X, y, loss_fn = ARCHITECTURES["cnn"]()
+    lam = float(torch.linalg.eigvalsh(dense_hessian(model, X, y, loss_fn))[-1])
+    q = HessMaxEV(tol=1e-4, max_products=400)
+    outs = _run(model, X, y, loss_fn, [q], steps=2, lr=0.0)
+    assert [o["HessMaxEV"] for o in outs] == [pytest.approx(lam, rel=1e-4)] * 2
+    assert q.num_products[1] <= 2 < q.num_products[0]  # the previous eigenvector restarts
+    with pytest.warns(UserWarning, match="max_products=2"):
+        outs = _run(model, X, y, loss_fn, [HessMaxEV(max_products=2)], steps=2)
+    assert all(isinstance(o["HessMaxEV"], float) for o in outs)
+
+
+def test_instruments_leave_the_global_rng_alone():
+    def train(quantities):
+        model, X, y, loss_fn = ARCHITECTURES["mlp"]()
+        torch.manual_seed(123)
+        _run(model, X, y, loss_fn, quantities, steps=2, lr=0.1)
+        return torch.rand(3)
+
+    qs = [HessMaxEV(), HessTrace(curvature="diag_ggn_mc"), TICDiag(curvature="diag_ggn_mc")]
+    assert torch.equal(train([Loss()]), train([Loss(), *qs]))
