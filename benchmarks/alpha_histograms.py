@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import resource
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 
@@ -38,6 +34,7 @@ import torch
 from torch import nn
 
 from avionics import Cockpit, configuration, quantities
+from benchmarks.memory import high_water_kib, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 
@@ -201,31 +198,19 @@ def _probe(problem: str, config: str, plain: bool, steps: int, threads: int) -> 
     after ``steps`` steps (plain steps, or instrumented with ``config``)."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
-    with open("/proc/self/statm") as statm:  # resident pages now, in KiB like VmHWM
-        baseline = int(statm.read().split()[1]) * resource.getpagesize() // 1024
+    baseline = resident_kib()
     model, X, y, loss_fn = PROBLEMS[problem]()
     names, kind = _names(config), CONFIGS[config][1]
     runner = Plain(model, loss_fn, kind) if plain else Avionics(model, loss_fn, kind, names)
     for k in range(steps):
         runner.step(k, X, y)
-    # VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's high-water (Linux
-    # copies it on fork), which would hide the child's own peak below that of this benchmark
-    with open("/proc/self/status") as status:
-        peak = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    print(baseline, peak)
+    print(baseline, high_water_kib())
 
 
 def peak_memory(problem: str, config: str, plain: bool, threads: int, steps: int = 3) -> int:
     """Bytes the RSS high-water of a fresh process grows by over ``steps`` steps."""
-    command = [sys.executable, "-m", "benchmarks.alpha_histograms", "--probe", problem, config,
-               "plain" if plain else "avionics", "--steps", str(steps), "--threads",
-               str(threads)]  # fmt: skip
-    # large buffers always mmapped, so that freed ones go back to the OS at once and the
-    # high-water follows live memory rather than what glibc keeps in its arenas
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
-    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
-    baseline, peak = map(int, out.split()[-2:])
-    return (peak - baseline) * 1024
+    args = [problem, config, "plain" if plain else "avionics", "--steps", str(steps)]
+    return probe_growth("benchmarks.alpha_histograms", args + ["--threads", str(threads)])
 
 
 def memory_ratio(problem: str, config: str, threads: int) -> float:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import resource
 import statistics
-import subprocess
-import sys
 import time
 import warnings
 
@@ -31,6 +28,7 @@ import torch
 from torch import nn
 
 from avionics import Cockpit, quantities
+from benchmarks.memory import high_water_kib, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 
@@ -175,8 +173,7 @@ def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> No
     tool_cls = {"plain": None, "avionics": Avionics, "reference": Reference}[tool]
     if tool_cls is Reference:
         reference_available()  # import it before the baseline is taken
-    with open("/proc/self/statm") as statm:  # resident pages now, in KiB like ru_maxrss
-        baseline = int(statm.read().split()[1]) * resource.getpagesize() // 1024
+    baseline = resident_kib()
     model, X, y, loss_fn = PROBLEMS[problem]()
     names = _names(config)
     if tool_cls is None:
@@ -187,16 +184,13 @@ def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> No
         runner = tool_cls(model, loss_fn, names)
         for k in range(steps):
             runner.step(k, X, y)
-    print(baseline, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    print(baseline, high_water_kib())
 
 
 def peak_memory(problem: str, tool: str, config: str, threads: int, steps: int = 3) -> int:
     """Bytes the process's RSS high-water grows by over ``steps`` steps (fresh process)."""
-    command = [sys.executable, "-m", "benchmarks.cockpit_overhead", "--probe", problem, tool,
-               config, "--steps", str(steps), "--threads", str(threads)]  # fmt: skip
-    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-    baseline, peak = map(int, out.split()[-2:])
-    return max(1, peak - baseline) * 1024  # ru_maxrss is in KiB on Linux
+    args = [problem, tool, config, "--steps", str(steps), "--threads", str(threads)]
+    return probe_growth("benchmarks.cockpit_overhead", args)
 
 
 # --------------------------------------------------------------------------------- report
@@ -282,13 +276,13 @@ def main(argv=None) -> None:
             f"{args.reference_budget:g} s of steps per cell (at least 5; fewer than "
             f"{args.steps} are noted).",
             "Peak memory: each configuration runs three steps in a fresh process; its memory is "
-            "the process's RSS high-water (`ru_maxrss`) at the end minus its RSS just before "
-            "the model is built, i.e. model, data, activations, gradients and the "
-            "tool's own tensors at their peak, without the interpreter and libraries; the ratio "
-            "divides by the same for plain steps. Measured for the configurations that compute "
-            f"per-sample statistics ({', '.join(MEMORY_CONFIGS)}); the others keep at most a "
-            "copy or two of the parameters. tracemalloc is not used: it does not see torch's "
-            "CPU allocations.",
+            "the growth of the process's resident high-water (`VmHWM`, large buffers mmapped) "
+            "from just before the model is built, i.e. model, data, activations, gradients and "
+            "the tool's own tensors at their peak, without the interpreter and libraries "
+            "(benchmarks/memory.py); the ratio divides by the same for plain steps. Measured "
+            f"for the configurations that compute per-sample statistics "
+            f"({', '.join(MEMORY_CONFIGS)}); the others keep at most a copy or two of the "
+            "parameters.",
             table(header, rows),
             "\n".join(f"* {note}" for note in notes),
         ]

@@ -1,0 +1,40 @@
+"""Peak memory of a few training steps, each configuration in a fresh process.
+
+A probe prints the resident memory before the model is built and the high-water after its
+steps; the difference is the model, data, optimizer state and the steps' peak, without the
+interpreter and libraries. The high-water is ``VmHWM``, not ``ru_maxrss``: a child's
+``ru_maxrss`` starts at its parent's high-water (Linux copies it on fork), which would hide the
+child's own peak. Large buffers are always mmapped (``MALLOC_MMAP_THRESHOLD_``), so that freed
+ones go back to the OS at once and the high-water follows live memory, not glibc's arenas.
+tracemalloc does not see torch's CPU allocations, and this torch build's profiler records no
+memory events, so neither is used.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import subprocess
+import sys
+
+
+def resident_kib() -> int:
+    """Resident memory of this process now, in KiB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize() // 1024
+
+
+def high_water_kib() -> int:
+    """The resident high-water of this process, in KiB."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+
+
+def probe_growth(module: str, args: list[str]) -> int:
+    """Run ``python -m MODULE --probe ARGS`` (which prints resident and high-water KiB, the
+    last two numbers of its output) and return the growth in bytes."""
+    command = [sys.executable, "-m", module, "--probe", *args]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(2**20))
+    out = subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout
+    baseline, peak = map(int, out.split()[-2:])
+    return max(1, peak - baseline) * 1024
