@@ -67,6 +67,7 @@ class Cockpit:
         self.params, self.param_names = _tracked_parameters(model, params)
         self._engine = PerSampleEngine(model, self.params)
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
+        self._unconverted: list[tuple[int, str]] = []
         self._capture = None
         self._writer = None
         self._described_training = False
@@ -143,6 +144,9 @@ class Cockpit:
 
     def get_output(self) -> dict[int, dict[str, Any]]:
         """{step: {quantity or metric name: value}} of everything computed so far."""
+        for step, name in self._unconverted:
+            self._output[step][name] = _to_python(self._output[step][name])
+        self._unconverted = []
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
     def close(self) -> None:
@@ -247,10 +251,17 @@ class Cockpit:
                 self._store(s, q.name, value)
 
     def _store(self, step: int, name: str, value) -> None:
-        value = _to_python(value)
-        self._output[step][name] = value
+        """Keep a value; it becomes plain Python when written to the log or read back.
+
+        Without a log the conversion waits for :meth:`get_output`, so that a tracked step
+        copies nothing to the host (no device synchronisation on the training's hot path).
+        """
         if self._writer is not None:
+            value = _to_python(value)
             self._writer.write(step, {name: value})
+        else:
+            self._unconverted.append((step, name))
+        self._output[step][name] = value
 
     def _metadata(self) -> dict:
         import avionics
