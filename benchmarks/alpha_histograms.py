@@ -25,20 +25,25 @@ Run: ``python -m benchmarks.alpha_histograms`` (all), or e.g.
 from __future__ import annotations
 
 import argparse
-import copy
 import statistics
 import time
 import warnings
 
 import torch
-from torch import nn
 
-from avionics import Cockpit, configuration, quantities
+from avionics import configuration
 from benchmarks.memory import high_water_kib, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
+from benchmarks.tools import (
+    Avionics,
+    Plain,
+    Reference,
+    reference_available,
+    reference_refuses,
+    time_steps,
+)
 
-LR = 1e-3
 ECONOMY = "economy"
 # configuration -> (avionics quantities, optimizer, reference tool's quantity names)
 CONFIGS = {
@@ -55,128 +60,9 @@ MEMORY_TARGET = 1.5
 REFERENCE_ON = ["2c2d"]
 
 
-def _optimizer(kind: str, params):
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=LR)
-    return torch.optim.SGD(params, lr=LR)
-
-
 def _names(config: str) -> list[str]:
     names = CONFIGS[config][0]
     return [q.name for q in configuration(ECONOMY)] if names == ECONOMY else names
-
-
-class Plain:
-    def __init__(self, model, loss_fn, kind):
-        self.model, self.loss_fn = model, loss_fn
-        self.opt = _optimizer(kind, model.parameters())
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        self.loss_fn(self.model(X), y).mean().backward()
-        self.opt.step()
-
-    def pause(self) -> None:
-        pass
-
-    def resume(self) -> None:
-        pass
-
-
-class Avionics(Plain):
-    def __init__(self, model, loss_fn, kind, names):
-        super().__init__(model, loss_fn, kind)
-        self.cockpit = Cockpit(model, [getattr(quantities, q)() for q in names])
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        losses = self.loss_fn(self.model(X), y)
-        loss = losses.mean()
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
-                "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(k, info):
-            loss.backward()
-        self.opt.step()
-
-    # the capture is armed between tracked steps: the plain copy runs without its hook
-    def pause(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.disarm()
-
-    def resume(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.arm()
-
-
-class ReferenceTool(Plain):
-    """cockpit-for-pytorch with its own quantities on a BackPACK-extended model and loss."""
-
-    def __init__(self, model, loss_fn, kind, names):
-        import cockpit
-        from backpack import extend
-        from cockpit.utils import schedules
-
-        super().__init__(extend(model), loss_fn, kind)
-        self.extended_loss = extend(nn.CrossEntropyLoss())
-        every = schedules.linear(1)
-        qs = [getattr(cockpit.quantities, q)(track_schedule=every) for q in names]
-        self.cockpit = cockpit.Cockpit(list(model.parameters()), quantities=qs)
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        out = self.model(X)
-        loss = self.extended_loss(out, y)
-        with torch.no_grad():
-            losses = self.loss_fn(out, y)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
-                "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(k, info=info):
-            loss.backward(create_graph=self.cockpit.create_graph(k))
-        self.opt.step()
-
-
-def reference_available() -> str | None:
-    """None if cockpit-for-pytorch can be used, else why not."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import backpack  # noqa: F401
-            import cockpit  # noqa: F401
-    except Exception as error:  # not installed, or its pkg_resources import fails
-        return f"not installed ({type(error).__name__}: {error})"
-    return None
-
-
-def reference_refuses(problem: str) -> str | None:
-    if problem == "gpt":
-        return (
-            "BackPACK has no per-sample rules for nn.MultiheadAttention, LayerNorm and tied "
-            "weights, and its extended CrossEntropyLoss takes [N, C] outputs only"
-        )
-    return None
-
-
-def time_steps(problem, make_tool, kind, steps, warmup, budget_s, min_steps=5):
-    """(median instrumented step, median plain step, timed steps), alternating the two."""
-    model, X, y, loss_fn = PROBLEMS[problem]()
-    plain = Plain(copy.deepcopy(model), loss_fn, kind)
-    tool = make_tool(model, loss_fn)
-    t_plain, t_tool = [], []
-    start = time.perf_counter()
-    for k in range(warmup + steps):
-        tool.pause()
-        t0 = time.perf_counter()
-        plain.step(k, X, y)
-        t1 = time.perf_counter()
-        tool.resume()
-        tool.step(k, X, y)
-        t2 = time.perf_counter()
-        if k >= warmup:
-            t_plain.append(t1 - t0)
-            t_tool.append(t2 - t1)
-            if time.perf_counter() - start > budget_s and len(t_tool) >= min_steps:
-                break
-    return statistics.median(t_tool), statistics.median(t_plain), len(t_tool)
 
 
 def write_floor(problem) -> float:
@@ -273,7 +159,7 @@ def main(argv=None) -> None:
             ref = speedup = "-"
             if not refused:
                 r_tool, r_plain, n_ref = time_steps(
-                    problem, _maker(ReferenceTool, kind, names), kind, args.steps, 1,
+                    problem, _maker(Reference, kind, names), kind, args.steps, 1,
                     args.reference_budget, min_steps=3,
                 )  # fmt: skip
                 r = r_tool / r_plain

@@ -18,6 +18,9 @@ for the mean gradient g = mean_m G_m, and materialising G_n costs N G T I O.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -26,16 +29,29 @@ from avionics.persample.rules.base import Rule, chunk_size
 
 
 class Bilinear:
-    """Per-sample gradients G_n = sum_t delta_t x_t^T of a weight of shape ``weight_shape``."""
+    """Per-sample gradients G_n = sum_t delta_t x_t^T of a weight of shape ``weight_shape``.
 
-    def __init__(self, x: Tensor, delta: Tensor, weight_shape: torch.Size):
-        self.x, self.delta, self.weight_shape = x, delta, weight_shape
-        self.n, self.groups, self.t, self.i = x.shape
-        self.o = delta.shape[-1]
+    ``inputs(start, stop)`` gives x of those samples, [stop - start, G, T, I]: a convolution
+    unfolds its input only a chunk of samples at a time when the gradients are materialised.
+    """
+
+    def __init__(self, inputs: Callable[[int, int], Tensor], delta: Tensor, weight_shape):
+        self.inputs, self.delta, self.weight_shape = inputs, delta, weight_shape
+        self.n, self.groups, self.t, self.o = delta.shape
+        self.i = math.prod(weight_shape) // (self.groups * self.o)
+        self._x: Tensor | None = None
         self._gram_matrix: Tensor | None = None
 
+    @property
+    def x(self) -> Tensor:
+        """x of all samples (the closed forms need it whole)."""
+        if self._x is None:
+            self._x = self.inputs(0, self.n)
+        return self._x
+
     def materialize(self, start: int, stop: int) -> Tensor:
-        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], self.x[start:stop])
+        x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
+        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], x)
         return g.reshape(stop - start, *self.weight_shape)
 
     def _uses_gram(self) -> bool:
@@ -47,7 +63,8 @@ class Bilinear:
         materialize |= request.sq_norms and self.t > 1 and not self._uses_gram()
         if materialize:
             acc = Accumulator(request, directions, index)
-            step = chunk_size(self.n, self.groups * self.i * self.o, self.x.element_size())
+            per_sample = self.groups * (self.i * self.o + self.t * self.i)  # gradient, x
+            step = chunk_size(self.n, per_sample, self.delta.element_size())
             for start in range(0, self.n, step):
                 acc.add(self.materialize(start, min(self.n, start + step)))
             return acc.result()
@@ -108,14 +125,21 @@ class Bilinear:
 class BilinearRule(Rule):
     """A layer with a bilinear weight gradient and an optional bias (grad b = sum_t delta_t).
 
-    Subclasses set ``self.x`` [N, G, T, I] and ``self.delta`` [N, G, T, O] (already scaled).
+    Subclasses set ``self.delta`` [N, G, T, O] (already scaled) and either ``self.x``
+    [N, G, T, I] or their own :meth:`inputs`.
     """
 
     x: Tensor
     delta: Tensor
 
+    def inputs(self, start: int, stop: int) -> Tensor:
+        """x of samples start..stop-1, [stop - start, G, T, I]."""
+        return self.x[start:stop]
+
     def _weight(self) -> Bilinear:
-        return Bilinear(self.x, self.delta, self.module.weight.shape)
+        if getattr(self, "_bilinear", None) is None:
+            self._bilinear = Bilinear(self.inputs, self.delta, self.module.weight.shape)
+        return self._bilinear
 
     def _bias(self) -> Tensor:
         return self.delta.sum(2).flatten(1)

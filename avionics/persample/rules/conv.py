@@ -42,12 +42,20 @@ class ConvRule(BilinearRule):
     def __init__(self, module: nn.modules.conv._ConvNd, calls, names, n, scale):
         super().__init__(module, calls, names, n, scale)
         groups = module.groups
-        xs, ds = [], []
+        self.raw_inputs, ds = [], []
         for call in calls:
-            x = batch_first(call.args[0], call.batch_axis, n, "Convolution input")
+            self.raw_inputs.append(
+                batch_first(call.args[0], call.batch_axis, n, "Convolution input")
+            )
             d = batch_first(output_gradient(call), call.batch_axis, n, "Convolution output")
-            cols = unfold(module, x)  # [N, C*K, L]
-            xs.append(cols.reshape(n, groups, -1, cols.shape[-1]).transpose(2, 3))
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
-        self.x = concatenate(xs, 2)  # [N, G, T, (C/G) K]
         self.delta = concatenate(ds, 2) * scale  # [N, G, T, O/G]
+
+    def inputs(self, start: int, stop: int) -> Tensor:
+        """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
+        per chunk, since the unfolded input is prod(kernel) times the size of the input."""
+        groups, xs = self.module.groups, []
+        for x in self.raw_inputs:
+            cols = unfold(self.module, x[start:stop])  # [c, C*K, L]
+            xs.append(cols.reshape(stop - start, groups, -1, cols.shape[-1]).transpose(2, 3))
+        return concatenate(xs, 2)
