@@ -16,7 +16,7 @@ from avionics.persample.capture import ModuleCall
 from avionics.persample.request import Accumulator, Request
 
 # Bytes one materialised chunk of per-sample gradients may take.
-CHUNK_BYTES = 32 * 2**20
+CHUNK_BYTES = 8 * 2**20
 
 
 def chunk_size(n: int, numel: int, element_size: int) -> int:

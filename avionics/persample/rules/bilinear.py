@@ -63,8 +63,7 @@ class Bilinear:
         materialize |= request.sq_norms and self.t > 1 and not self._uses_gram()
         if materialize:
             acc = Accumulator(request, directions, index)
-            per_sample = self.groups * (self.i * self.o + self.t * self.i)  # gradient, x
-            step = chunk_size(self.n, per_sample, self.delta.element_size())
+            step = self._step()
             for start in range(0, self.n, step):
                 acc.add(self.materialize(start, min(self.n, start + step)))
             return acc.result()
@@ -119,7 +118,18 @@ class Bilinear:
         return (mapped * self.x).sum((1, 2, 3))
 
     def total(self) -> Tensor:
-        return torch.einsum("ngto,ngti->goi", self.delta, self.x).reshape(self.weight_shape)
+        """sum_n G_n, over chunks of samples (each unfolded only while it is used)."""
+        total = 0
+        for start in range(0, self.n, self._step()):
+            stop = min(self.n, start + self._step())
+            x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
+            total = total + torch.einsum("ngto,ngti->goi", self.delta[start:stop], x)
+        return total.reshape(self.weight_shape)
+
+    def _step(self) -> int:
+        """Samples per chunk: their gradients and inputs fit the chunk budget."""
+        per_sample = self.groups * (self.i * self.o + self.t * self.i)
+        return chunk_size(self.n, per_sample, self.delta.element_size())
 
 
 class BilinearRule(Rule):
