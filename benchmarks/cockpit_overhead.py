@@ -19,18 +19,22 @@ Run: ``python -m benchmarks.cockpit_overhead`` (all; about ten minutes on two co
 from __future__ import annotations
 
 import argparse
-import copy
-import statistics
 import time
 import warnings
 
 import torch
-from torch import nn
 
-from avionics import Cockpit, quantities
 from benchmarks.memory import high_water_kib, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
+from benchmarks.tools import (
+    Avionics,
+    Plain,
+    Reference,
+    reference_available,
+    reference_refuses,
+    time_steps,
+)
 
 QUANTITIES = [
     "Loss", "GradNorm", "Distance", "UpdateSize", "Time", "Parameters",
@@ -40,130 +44,19 @@ GRADIENT_TESTS = ["NormTest", "InnerTest", "OrthoTest"]
 ALL = "all together"
 # All but Parameters, whose copy of every parameter is converted to Python lists each step.
 ALL_BUT_PARAMETERS = "all but Parameters"
-LR = 1e-3
 TIME_TARGET = {**{q: 1.3 for q in GRADIENT_TESTS}, ALL: 1.6, ALL_BUT_PARAMETERS: 1.6}
 MEMORY_TARGET = 1.5
 # Configurations whose peak memory is measured (the ones with per-sample statistics).
 MEMORY_CONFIGS = ["NormTest", ALL]
 
 
-# ------------------------------------------------------------------------------------ tools
-class Tool:
-    """One instrumented training loop: ``step(k, X, y)`` runs training step k."""
-
-    def __init__(self, model, loss_fn, names):
-        self.model, self.loss_fn = model, loss_fn
-        self.opt = torch.optim.SGD(model.parameters(), lr=LR)
-
-    def plain_step(self, X, y) -> None:
-        self.opt.zero_grad()
-        self.loss_fn(self.model(X), y).mean().backward()
-        self.opt.step()
-
-    def pause(self) -> None:
-        """Called before a plain step of the other copy runs."""
-
-    def resume(self) -> None:
-        """Called after it."""
-
-
-class Avionics(Tool):
-    def __init__(self, model, loss_fn, names):
-        super().__init__(model, loss_fn, names)
-        self.cockpit = Cockpit(model, [getattr(quantities, q)() for q in names])
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        losses = self.loss_fn(self.model(X), y)
-        loss = losses.mean()
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
-                "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(k, info):
-            loss.backward(create_graph=self.cockpit.create_graph(k))
-        self.opt.step()
-
-    # The capture is armed between tracked steps; the plain copy's steps run without its hook.
-    def pause(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.disarm()
-
-    def resume(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.arm()
-
-
-class Reference(Tool):
-    """cockpit-for-pytorch with its own quantities on a BackPACK-extended model and loss."""
-
-    def __init__(self, model, loss_fn, names):
-        import cockpit
-        from backpack import extend
-        from cockpit.utils import schedules
-
-        super().__init__(model, loss_fn, names)
-        self.model = extend(model)
-        self.extended_loss = extend(nn.CrossEntropyLoss())
-        every = schedules.linear(1)
-        qs = [getattr(cockpit.quantities, q)(track_schedule=every) for q in names]
-        self.cockpit = cockpit.Cockpit(list(model.parameters()), quantities=qs)
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        out = self.model(X)
-        loss = self.extended_loss(out, y)
-        with torch.no_grad():
-            losses = self.loss_fn(out, y)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
-                "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(k, info=info):
-            loss.backward(create_graph=self.cockpit.create_graph(k))
-        self.opt.step()
-
-
-def reference_available() -> str | None:
-    """None if cockpit-for-pytorch can be used, else why not."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            import backpack  # noqa: F401
-            import cockpit  # noqa: F401
-    except Exception as error:  # not installed, or its pkg_resources import fails
-        return f"not installed ({type(error).__name__}: {error})"
-    return None
-
-
-def reference_refuses(problem: str) -> str | None:
-    """Why the reference tool cannot run a problem (BackPACK's per-sample extensions)."""
-    if problem == "gpt":
-        return (
-            "BackPACK has no per-sample rules for nn.MultiheadAttention, LayerNorm and tied "
-            "weights, and its extended CrossEntropyLoss takes [N, C] outputs only"
-        )
-    return None
-
-
-# ------------------------------------------------------------------------------ measuring
 def time_ratio(problem, tool_cls, names, steps, warmup, budget_s):
     """(median instrumented / median plain step time, timed steps)."""
-    model, X, y, loss_fn = PROBLEMS[problem]()
-    plain = Tool(copy.deepcopy(model), loss_fn, names)
-    tool = tool_cls(model, loss_fn, names)
-    t_plain, t_tool = [], []
-    start = time.perf_counter()
-    for k in range(warmup + steps):
-        tool.pause()
-        t0 = time.perf_counter()
-        plain.plain_step(X, y)
-        t1 = time.perf_counter()
-        tool.resume()
-        tool.step(k, X, y)
-        t2 = time.perf_counter()
-        if k >= warmup:
-            t_plain.append(t1 - t0)
-            t_tool.append(t2 - t1)
-            if time.perf_counter() - start > budget_s and len(t_tool) >= 5:
-                break
-    return statistics.median(t_tool) / statistics.median(t_plain), len(t_tool)
+    tool, plain, count = time_steps(
+        problem, lambda model, loss_fn: tool_cls(model, loss_fn, "sgd", names), "sgd", steps,
+        warmup, budget_s,
+    )  # fmt: skip
+    return tool / plain, count
 
 
 def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> None:
@@ -175,15 +68,12 @@ def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> No
         reference_available()  # import it before the baseline is taken
     baseline = resident_kib()
     model, X, y, loss_fn = PROBLEMS[problem]()
-    names = _names(config)
     if tool_cls is None:
-        runner = Tool(model, loss_fn, names)
-        for _ in range(steps):
-            runner.plain_step(X, y)
+        runner = Plain(model, loss_fn, "sgd")
     else:
-        runner = tool_cls(model, loss_fn, names)
-        for k in range(steps):
-            runner.step(k, X, y)
+        runner = tool_cls(model, loss_fn, "sgd", _names(config))
+    for k in range(steps):
+        runner.step(k, X, y)
     print(baseline, high_water_kib())
 
 
