@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._matmul import _as_matmul, _generator, _probe_blocks, _random
+from ._matmul import _as_matmul, _generator, _probe_blocks
+from ._sketch import exchangeable_sketch
 
 
 def hutchinson_diagonal(
@@ -63,25 +64,12 @@ def xdiag(
     Uses 2m products (A Omega and A Q; m is capped at D). If A Omega is rank deficient,
     diag(Q Z^T) is exact.
     """
-    mm = _as_matmul(A)
-    N = mm.dim
-    m = num_products // 2
-    if m < 2:
-        raise ValueError(f"xdiag needs num_products >= 4, got {num_products}")
-    m = min(m, N)
-    gen = _generator(seed, generator, mm.device)
-    Om = _random((N, m), "rademacher", gen, mm.dtype, mm.device)
-    Y = mm(Om)
-    Q, R = torch.linalg.qr(Y)
-    Z = mm(Q)
+    sketch = exchangeable_sketch(A, num_products, "rademacher", "xdiag", seed, generator)
+    Om, Y, Q, Z, m = sketch.omega, sketch.Y, sketch.Q, sketch.Z, sketch.m
     exact_part = (Q * Z).sum(1)
-    rdiag = torch.diagonal(R).abs()
-    if rdiag.min() <= 100 * torch.finfo(R.dtype).eps * rdiag.max():
+    if sketch.rank_deficient:
         return exact_part
-    S = torch.linalg.solve_triangular(
-        R.T, torch.eye(m, dtype=R.dtype, device=R.device), upper=False
-    )
-    S = S / S.norm(dim=0, keepdim=True)
+    S = sketch.S
     T = Z.T @ Om
     QS, ZS = Q @ S, Z @ S
     st = (S * T).sum(0)  # s_i^T t_i

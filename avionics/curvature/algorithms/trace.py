@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import _as_matmul, _generator, _probe_blocks, _random
+from ._sketch import exchangeable_sketch
 
 
 def hutchinson_trace(
@@ -110,28 +111,16 @@ def xtrace(
     A need not be symmetric. If A Omega is rank deficient (A of rank < m), range(A Omega)
     contains range(A) and tr(Q^T A Q) is the exact trace, which is returned.
     """
-    mm = _as_matmul(A)
-    N = mm.dim
-    m = num_products // 2
-    if m < 2:
-        raise ValueError(f"xtrace needs num_products >= 4, got {num_products}")
-    m = min(m, N)
-    gen = _generator(seed, generator, mm.device)
-    Om = _random((N, m), "gaussian", gen, mm.dtype, mm.device)
-    Y = mm(Om)
-    Q, R = torch.linalg.qr(Y)
-    Z = mm(Q)
+    sketch = exchangeable_sketch(A, num_products, "gaussian", "xtrace", seed, generator)
+    Om, Q, R, Z, m = sketch.omega, sketch.Q, sketch.R, sketch.Z, sketch.m
+    N = Om.shape[0]
     H = Q.T @ Z
     trH = torch.diagonal(H).sum()
-    rdiag = torch.diagonal(R).abs()
-    if rdiag.min() <= 100 * torch.finfo(R.dtype).eps * rdiag.max():
+    if sketch.rank_deficient:
         return (trH, torch.zeros_like(trH)) if return_error else trH
 
     # S = column-normalised R^{-T}: Q S e_i is the direction removed from Q_(i).
-    S = torch.linalg.solve_triangular(
-        R.T, torch.eye(m, dtype=R.dtype, device=R.device), upper=False
-    )
-    S = S / S.norm(dim=0, keepdim=True)
+    S = sketch.S
     W = Q.T @ Om  # w_i projected: columns Q^T w_i
     Tm = Z.T @ Om  # columns Z^T w_i = Q^T A^T w_i
     c = (S * W).sum(0)  # s_i^T Q^T w_i
