@@ -10,6 +10,7 @@ from avionics.dashboard.style import (
     GREEN,
     STEP,
     empty_panel,
+    quantity_panel,
     series_plot,
     step_limits,
     style_panel,
@@ -20,28 +21,13 @@ from avionics.records.series import series
 def max_ev_panel(fig, spec, run) -> Axes:
     """Largest eigenvalue of the mini-batch loss Hessian vs step, log scale (symlog when a
     value is not positive)."""
-    ax = fig.add_subplot(spec)
     title, ylabel = "Largest Hessian eigenvalue", r"$\lambda_{\max}$"
-    steps, values = series(run, "HessMaxEV")
-    if len(steps) == 0:
-        return empty_panel(ax, title, STEP, ylabel, "HessMaxEV")
-    style_panel(ax, title, STEP, ylabel)
-    series_plot(ax, steps, values, "max eigenvalue", yscale="log")
-    ax.legend(loc="upper right", fontsize="small")
-    return ax
+    return quantity_panel(fig, spec, run, "HessMaxEV", title, ylabel, "max eigenvalue", "log")
 
 
 def trace_panel(fig, spec, run) -> Axes:
     """Hessian trace (sum over parameters of the diagonal) vs step."""
-    ax = fig.add_subplot(spec)
-    title, ylabel = "Hessian trace", r"tr$(H)$"
-    steps, values = series(run, "HessTrace")
-    if len(steps) == 0:
-        return empty_panel(ax, title, STEP, ylabel, "HessTrace")
-    style_panel(ax, title, STEP, ylabel)
-    series_plot(ax, steps, values, "trace")
-    ax.legend(loc="upper right", fontsize="small")
-    return ax
+    return quantity_panel(fig, spec, run, "HessTrace", "Hessian trace", r"tr$(H)$", "trace")
 
 
 def tic_panel(fig, spec, run) -> Axes:

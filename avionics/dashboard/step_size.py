@@ -11,6 +11,7 @@ from avionics.dashboard.style import (
     ORANGE,
     STEP,
     empty_panel,
+    quantity_panel,
     series_plot,
     step_limits,
     style_panel,
@@ -100,12 +101,4 @@ def distance_panel(fig, spec, run) -> Axes:
 
 def grad_norm_panel(fig, spec, run) -> Axes:
     """Global gradient norm ||g|| (root-sum-of-squares over parameters) vs step."""
-    ax = fig.add_subplot(spec)
-    title, ylabel = "Gradient norm", r"$\|g\|$"
-    steps, norm = series(run, "GradNorm")
-    if len(steps) == 0:
-        return empty_panel(ax, title, STEP, ylabel, "GradNorm")
-    style_panel(ax, title, STEP, ylabel)
-    series_plot(ax, steps, norm, "gradient norm")
-    ax.legend(loc="upper right", fontsize="small")
-    return ax
+    return quantity_panel(fig, spec, run, "GradNorm", "Gradient norm", r"$\|g\|$", "gradient norm")

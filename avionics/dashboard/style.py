@@ -6,6 +6,8 @@ import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.ticker import SymmetricalLogLocator
 
+from avionics.records.series import series
+
 BLUE = (0.29, 0.45, 0.68)
 ORANGE = (0.95, 0.50, 0.20)
 GREEN = (0.30, 0.60, 0.40)
@@ -113,3 +115,17 @@ def style_panel(ax: Axes, title: str, xlabel: str, ylabel: str, face=PANEL_FACE)
     ax.set_ylabel(ylabel)
     ax.set_facecolor(face)
     ax.grid(alpha=0.3, ls="--")
+
+
+def quantity_panel(
+    fig, spec, run, quantity: str, title: str, ylabel: str, label: str, yscale: str = "auto"
+) -> Axes:
+    """One quantity's values (and their EMA) vs step, or a labelled empty panel."""
+    ax = fig.add_subplot(spec)
+    steps, values = series(run, quantity)
+    if len(steps) == 0:
+        return empty_panel(ax, title, STEP, ylabel, quantity)
+    style_panel(ax, title, STEP, ylabel)
+    series_plot(ax, steps, values, label, yscale=yscale)
+    ax.legend(loc="upper right", fontsize="small")
+    return ax
