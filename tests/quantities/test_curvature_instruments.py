@@ -301,3 +301,110 @@ def test_instruments_leave_the_global_rng_alone():
 
     qs = [HessMaxEV(), HessTrace(curvature="diag_ggn_mc"), TICDiag(curvature="diag_ggn_mc")]
     assert torch.equal(train([Loss()]), train([Loss(), *qs]))
+
+
+@pytest.mark.parametrize(("shape", "axis"), [((4, 5), 1), ((3, 6, 5), 2), ((3, 5, 6), 1)])
+def test_softmax_root_has_one_column_fewer_per_position(shape, axis):
+    """The exact GGN backpropagates V - 1 columns per position for a softmax over V classes;
+    their outer products sum to the loss Hessian blockdiag_t c_t (diag p_t - p_t p_t^T)."""
+    torch.manual_seed(0)
+    logits = 3 * torch.randn(*shape, dtype=torch.float64)
+    logits[0].select(axis - 1, -1).add_(40)  # confident samples: p = e_V and p = e_1
+    logits[1].select(axis - 1, 0).add_(40)
+    p = logits.softmax(axis)
+    c = torch.rand(*[1 if a == axis else d for a, d in enumerate(shape)], dtype=torch.float64)
+    root = second_order._SoftmaxRoot(p, c, axis, shape[0])
+    cols = torch.stack(list(root.columns()))  # [K, N, M]
+    positions = p[0].numel() // shape[axis]
+    assert cols.shape[0] == positions * (shape[axis] - 1)
+    pm, cm = p.movedim(axis, -1), c.movedim(axis, -1)
+    blocks = cm[..., None] * (torch.diag_embed(pm) - pm[..., :, None] * pm[..., None, :])
+    dense = torch.zeros(shape[0], p[0].numel(), p[0].numel(), dtype=torch.float64)
+    idx = torch.arange(p[0].numel()).reshape(pm.shape[1:])  # entry index in the moved layout
+    idx = idx.movedim(-1, axis - 1).reshape(-1)  # ... in the output's own layout
+    layout = torch.empty_like(idx)
+    layout[idx] = torch.arange(len(idx))
+    flat = blocks.reshape(shape[0], -1, shape[axis], shape[axis])
+    for t in range(flat.shape[1]):
+        at = layout[t * shape[axis] : (t + 1) * shape[axis]]
+        dense[:, at[:, None], at[None, :]] = flat[:, t]
+    torch.testing.assert_close(torch.einsum("kni,knj->nij", cols, cols), dense)
+
+
+def conv_zoo(n=3, seed=4):
+    """Convolutions of every kind the GGN's convolution path takes: 1d, 2d with groups, stride,
+    dilation, reflect padding and no bias, 3d; a Linear with a shared axis (engine path)."""
+    torch.manual_seed(seed)
+
+    class Zoo(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = nn.Conv1d(2, 4, 3, padding=1)
+            self.c2 = nn.Conv2d(4, 4, 3, stride=2, dilation=1, groups=2, padding=1, bias=False)
+            self.c2r = nn.Conv2d(4, 2, 2, padding=1, padding_mode="reflect")
+            self.c3 = nn.Conv3d(1, 2, 2)
+            self.shared = nn.Linear(3, 2)
+            self.out = nn.Linear(2 * 3 * 2 + 2 * 2 * 2 * 2, 3)
+
+        def forward(self, x):
+            n = x.shape[0]
+            h = torch.tanh(self.c1(x.reshape(n, 2, 18)))  # [n, 4, 18]
+            h = torch.relu(self.c2(h.reshape(n, 4, 3, 6)))  # [n, 4, 2, 3]
+            h = torch.sigmoid(self.c2r(h))  # [n, 2, 3, 4]
+            h = self.shared(h[..., :3])  # [n, 2, 3, 2]: shared axes
+            v = self.c3(x[:, :27].reshape(n, 1, 3, 3, 3))  # [n, 2, 2, 2, 2]
+            return self.out(torch.cat([h.reshape(n, -1), v.reshape(n, -1)], 1))
+
+    X, y = torch.randn(n, 36), torch.randint(0, 3, (n,))
+    return (
+        Zoo().double(),
+        X.double(),
+        y,
+        lambda o, t: nn.functional.cross_entropy(o, t, reduction="none"),
+    )
+
+
+@pytest.mark.parametrize("budget", [None, 1])
+def test_ggn_convolution_path_matches_brute_force(budget, monkeypatch):
+    """Every convolution goes through the batched column path (also when each column's
+    gradients are reduced alone, one sample at a time) and matches the dense GGN."""
+    if budget is not None:
+        monkeypatch.setattr(second_order, "CONV_PENDING_BYTES", budget)
+        monkeypatch.setattr(second_order, "CONV_CHUNK_BYTES", budget)
+    model, X, y, loss_fn = conv_zoo()
+    used = []
+    init = second_order._ConvSums.__init__
+
+    def spy(self, module, call, n):
+        used.append(module)
+        init(self, module, call, n)
+
+    monkeypatch.setattr(second_order._ConvSums, "__init__", spy)
+    (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])
+    assert set(used) == {model.c1, model.c2, model.c2r, model.c3}
+    h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    _check_against(out, model, X, y, loss_fn, h)
+    *_, tic_trace = _expected(model, X, y, loss_fn, h)
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
+
+
+def test_quantity_order_does_not_matter():
+    """TICDiag overwrites the shared diagonal in place; HessTrace and TICTrace after it still
+    read its sums, and a second diagonal is never computed."""
+    model, X, y, loss_fn = ARCHITECTURES["cnn"]()
+    calls = []
+    diagonal = second_order.ggn_diagonal
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return diagonal(*args, **kwargs)
+
+    outs = []
+    for order in [(HessTrace, TICDiag, TICTrace), (TICDiag, TICTrace, HessTrace)]:
+        qs = [q(curvature="diag_ggn_exact") for q in order]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr("avionics.quantities.curvature.ggn_diagonal", counted)
+            (out,) = _run(*ARCHITECTURES["cnn"](), qs)
+        outs.append(out)
+    assert len(calls) == 2
+    assert outs[0] == outs[1]
