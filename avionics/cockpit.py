@@ -245,10 +245,16 @@ class Cockpit:
                 directions.update(q.directions(data))
             data.statistics = self._engine.statistics(calls, request, directions, n, scale)
             data.extra.update(calls=calls, engine=self._engine)
+            data.extra["mean_gradient_factors"] = lambda: self._engine.mean_gradient_factors(
+                calls, n, scale
+            )
             data.per_sample = _bound_statistics(self._engine, self.params, calls, n, scale)
-        for q in active:
-            for s, value in q.compute(data).items():
-                self._store(s, q.name, value)
+        try:
+            for q in active:
+                for s, value in q.compute(data).items():
+                    self._store(s, q.name, value)
+        finally:
+            self._engine.release()  # the step's rules: what is kept, quantities keep
 
     def _store(self, step: int, name: str, value) -> None:
         """Keep a value; it becomes plain Python when written to the log or read back.

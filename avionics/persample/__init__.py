@@ -2,6 +2,6 @@
 
 from avionics.persample.capture import Capture, ModuleCall
 from avionics.persample.engine import PerSampleEngine
-from avionics.persample.request import Request, Statistics
+from avionics.persample.request import OuterProducts, Request, Statistics
 
-__all__ = ["Capture", "ModuleCall", "PerSampleEngine", "Request", "Statistics"]
+__all__ = ["Capture", "ModuleCall", "OuterProducts", "PerSampleEngine", "Request", "Statistics"]

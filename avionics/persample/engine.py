@@ -14,7 +14,13 @@ For every tracked parameter it finds the module calls its gradient flows through
 
 A parameter with one contribution gets its statistics from that rule's closed forms; one with
 several (tied weights, adopted parameters) is materialised in chunks, summed over its
-contributions, and reduced, because ||a + b||^2 is not ||a||^2 + ||b||^2.
+contributions, and reduced, because ||a + b||^2 is not ||a||^2 + ||b||^2. Projections alone
+are linear, (a + b) . v = a . v + b . v: a request of directions only sums each contribution's
+closed form instead.
+
+A direction may be given, per parameter, as a :class:`~avionics.persample.rules.factored.
+FactoredDirection` (the factors of a mean of outer products, which Alpha keeps for plain SGD);
+the bilinear rules project onto it directly, every other path receives it as a tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +35,9 @@ from avionics.persample.capture import Capture, ModuleCall
 from avionics.persample.request import Accumulator, Request, Statistics
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import Rule, chunk_size
+from avionics.persample.rules.bilinear import BilinearRule
+from avionics.persample.rules.factored import FactoredDirection, dense
+from avionics.persample.rules.linear import LinearRule
 
 # Relative tolerance of the check of summed per-sample gradients against autograd's.
 CHECK_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
@@ -53,6 +62,7 @@ class PerSampleEngine:
                     self.owners[self._index[id(p)]].append((m, name))
         self._from_root: set[int] = set()
         self._checked_pattern: tuple | None = None
+        self._last: tuple | None = None  # (calls, contributions, rules) of the last statistics
 
     def capture(self) -> Capture:
         """A capture watching every module that owns a tracked parameter, and its ancestors."""
@@ -139,15 +149,30 @@ class PerSampleEngine:
             rules = self._rules(calls, contributions, n, scale)
             per_param: list[dict] = [{} for _ in self.params]
             empty = Request()
+            # Projections are linear in g_n: a parameter with several contributions (tied
+            # weights) gets them as the sum of each contribution's closed form when only
+            # directions are asked; norms and visitors need the summed g_n materialised.
+            # The directions are renamed there, so that no rule takes "grad" for the mean of
+            # its own contribution.
+            linear_only = not (request.sq_norms or request.sum_sq or request.visitors)
+            part = {d: f"{d} (one contribution)" for d in request.directions}
+            partial = Request(directions=frozenset(part.values()))
+            summed: dict[int, dict[str, Tensor]] = {}
             for rule in rules.values():
+                # factored directions reach the bilinear rules only (dense for the others)
+                keep = _kept if isinstance(rule, BilinearRule) else dense
                 requests, dirs, indices = [], [], []
                 for name in rule.names:
                     k = self._index[id(rule.module.get_parameter(name))]
-                    single = len(contributions[k]) == 1
-                    requests.append(request if single else empty)
-                    dirs.append(
-                        {d: directions[d][k] for d in request.directions} if single else {}
-                    )
+                    if len(contributions[k]) == 1:
+                        requests.append(request)
+                        dirs.append({d: keep(directions[d][k]) for d in request.directions})
+                    elif linear_only:
+                        requests.append(partial)
+                        dirs.append({part[d]: dense(directions[d][k]) for d in part})
+                    else:
+                        requests.append(empty)
+                        dirs.append({})
                     indices.append(k)
                 for k, result in zip(
                     indices,
@@ -156,12 +181,49 @@ class PerSampleEngine:
                 ):
                     if len(contributions[k]) == 1:
                         per_param[k] = result
+                    elif linear_only and part:
+                        into = summed.setdefault(k, {})
+                        for d, renamed in part.items():
+                            value = result["projections"][renamed]
+                            into[d] = value if d not in into else into[d] + value
             for k, pairs in enumerate(contributions):
-                if len(pairs) > 1:
+                if len(pairs) > 1 and linear_only:
+                    per_param[k] = {"projections": summed.get(k, {})}
+                elif len(pairs) > 1:
                     per_param[k] = self._summed_statistics(k, pairs, rules, request, directions, n)
                 elif not pairs:
                     per_param[k] = _zero_statistics(self.params[k], request, directions, n, k)
+            self._last = (calls, contributions, rules)
         return _collect(per_param, request)
+
+    def mean_gradient_factors(self, calls, n: int, scale: float) -> list[tuple | None]:
+        """For each parameter, (delta, x) with g = (1/N) sum_m delta_m x_m^T (delta [N, O]
+        already scaled, x [N, I]) where it is a Linear weight without shared axes whose factors
+        are smaller than the weight (see :mod:`avionics.persample.rules.factored`); else None.
+        Reuses the rules of the last :meth:`statistics` of the same ``calls``."""
+        with torch.no_grad():
+            if self._last is not None and self._last[0] is calls:
+                _, contributions, rules = self._last
+            else:
+                contributions = self._contributions(calls, n)
+                rules = self._rules(calls, contributions, n, scale)
+            factors: list[tuple | None] = [None] * len(self.params)
+            for k, pairs in enumerate(contributions):
+                if len(pairs) != 1 or k in self._from_root:
+                    continue
+                module, name = pairs[0]
+                rule = rules[module]
+                if name != "weight" or not isinstance(rule, LinearRule):
+                    continue
+                weight = rule._weight()
+                if weight.t == 1 and weight.groups == 1:
+                    if FactoredDirection.worth_it(n, weight.i, weight.o):
+                        factors[k] = (weight.delta[:, 0, 0], weight.x[:, 0, 0])
+        return factors
+
+    def release(self) -> None:
+        """Forget the rules of the last step (they hold its captured tensors)."""
+        self._last = None
 
     def _statistics(self, rule: Rule, requests: list[Request], directions) -> list[dict]:
         with self._naming(rule.module):
@@ -169,7 +231,7 @@ class PerSampleEngine:
 
     def _summed_statistics(self, k, pairs, rules, request, directions, n) -> dict:
         p = self.params[k]
-        acc = Accumulator(request, {d: directions[d][k] for d in request.directions}, k)
+        acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
         step = chunk_size(n, p.numel(), p.element_size())
         for start in range(0, n, step):
             stop = min(n, start + step)
@@ -243,6 +305,10 @@ class PerSampleEngine:
         return f"{prefix}.{name}" if prefix else name
 
 
+def _kept(v):
+    return v
+
+
 def _visitors_at(requests: list[Request], indices: list[int]) -> list[Request]:
     """Visitors are called with the engine's parameter index, not the rule's."""
     return [
@@ -264,7 +330,7 @@ def _reindexed(request: Request, k: int) -> Request:
 
 def _zero_statistics(p: Tensor, request: Request, directions, n: int, k: int) -> dict:
     """A parameter no gradient reached: every g_n is zero."""
-    acc = Accumulator(request, {d: directions[d][k] for d in request.directions}, k)
+    acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
     acc.add(p.new_zeros(n, *p.shape))
     return acc.result()
 

@@ -16,8 +16,34 @@ from torch import Tensor
 # g_n . g from inner products of per-sample gradients instead of from the tensor.
 MEAN_GRADIENT = "grad"
 
-# visitor(parameter_index, chunk): chunk[i] = g_{start + i} for a run of consecutive samples.
-Visitor = Callable[[int, Tensor], None]
+
+@dataclass(frozen=True)
+class OuterProducts:
+    """Per-sample gradients g_n = delta_n x_n^T of a run of samples, not multiplied out:
+    ``delta`` [n, O], ``x`` [n, I] (a Linear weight [O, I] without shared axes)."""
+
+    delta: Tensor
+    x: Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.delta.device
+
+    def materialize(self) -> Tensor:
+        """g as a tensor [n, O, I]."""
+        return self.delta[:, :, None] * self.x[:, None, :]
+
+    def abs_max(self) -> Tensor:
+        """max_{n,o,i} |delta_{n,o} x_{n,i}| = max_n max_o |delta_{n,o}| max_i |x_{n,i}|
+        (rounding is monotone, so this is the largest product exactly)."""
+        d = self.delta.abs().amax(1)
+        return (d * self.x.abs().amax(1)).amax() if len(d) else d.new_zeros(())
+
+
+# visitor(parameter_index, chunk): chunk[i] = g_{start + i} for a run of consecutive samples,
+# a tensor [n, *parameter shape] or, where a rule can give it, the factors of the outer
+# products (only the histograms visit, and they accept both).
+Visitor = Callable[[int, "Tensor | OuterProducts"], None]
 
 
 @dataclass(frozen=True)

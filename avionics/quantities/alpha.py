@@ -11,13 +11,19 @@ The projections at t need s, which for most optimizers exists only after ``optim
 
 * plain SGD (one learning rate, no momentum, weight decay, nesterov or maximize): s = -lr * g
   is known at t and (g_n . s) / tau = -(g_n . g) / ||g||, the "grad" projections the engine
-  computes anyway. Only s (one copy of the parameters' size) is kept until t+1. (This assumes
-  that the optimizer steps every tracked parameter on its gradient as the cockpit saw it: no
-  gradient clipping between the backward and ``optimizer.step()``.)
+  computes anyway (shared with the gradient tests), and ||g||^2 = mean_n g_n . g comes with
+  them. Only s / tau is kept until t+1: a copy of the gradient, except for Linear weights
+  whose mean gradient (1/N) sum_m delta_m x_m^T has factors smaller than the weight, which
+  keep the factors and are projected on at t+1 from cross inner products (N^2 (I + O)
+  instead of N I O; :mod:`avionics.persample.rules.factored`). (This assumes that the
+  optimizer steps every tracked parameter on its gradient as the cockpit saw it: no gradient
+  clipping between the backward and ``optimizer.step()``.)
 * every other optimizer: theta_t and the start step's ``StepData.per_sample`` are kept until
   t+1 (that step's captured layer inputs and output gradients, never N x D per-sample
   gradients); at t+1 the start step's g_n are projected onto the measured s in one pass of the
-  engine, with theta_t swapped back in.
+  engine, with theta_t swapped back in; both steps' projections onto s are divided by tau.
+
+Scalars stay on the device until the fit, which reads them with one host transfer.
 
 For a sum-reduced loss, f is L / N (the mean of the per-sample losses), consistent with the
 derivatives, which are means over samples; alpha is invariant to that scaling.
@@ -33,7 +39,8 @@ import torch
 from torch import Tensor
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData, global_norm_squared
+from avionics.persample.rules.factored import FactoredDirection
+from avionics.quantities.base import Quantity, StepData
 
 # Replaces a zero variance in the weights 1 / variance of the fit.
 MIN_VARIANCE = 1e-10
@@ -66,9 +73,7 @@ class Alpha(Quantity):
             return {}
         start = self._start
         start.finish_update(data.params)
-        if start.tau == 0:
-            return {_DIRECTION: [torch.zeros_like(p) for p in data.params]}
-        return {_DIRECTION: [s / start.tau for s in start.update]}
+        return {_DIRECTION: start.unit}
 
     def compute(self, data: StepData):
         values = {}
@@ -83,33 +88,39 @@ class Alpha(Quantity):
 
 class _Start:
     """What a start step keeps until the next step: its zeroth-order observation and either
-    the update (plain SGD, with the start projections) or theta_t and the start's engine."""
+    the unit update (plain SGD, with the start projections) or theta_t and the start's engine.
 
-    def __init__(self, step: int, f: float, var_f: float):
-        self.step, self.f, self.var_f = step, f, var_f
-        self.n = 0  # batch size at the start
-        self.update: list[Tensor] | None = None  # s
-        self.tau: float | None = None
+    Scalars stay tensors on the parameters' device until the fit, which reads them all with
+    one host transfer.
+    """
+
+    def __init__(self, step: int, losses: Tensor):
+        self.step, self.n = step, losses.numel()
+        self.f, self.var_f = losses.mean(), _unbiased_variance(losses)
+        self.unit: list[Tensor] | None = None  # s / tau, or s when per_tau is set
+        self.per_tau: Tensor | None = None  # 1 / tau, for a direction s that is not unit
+        self.tau: Tensor | None = None
         self.projections: Tensor | None = None  # (g_n . s) / tau at the start, [N]
         self.params: list[Tensor] | None = None  # theta_t, when s is measured
         self.per_sample = None
 
     @classmethod
     def at(cls, data: StepData) -> _Start:
-        losses = _checked_losses(data)
-        start = cls(data.step, float(losses.mean()), _unbiased_variance(losses))
-        start.n = losses.numel()
+        start = cls(data.step, _checked_losses(data))
         optimizer = data.optimizer
         lr = _plain_sgd_learning_rate(optimizer)
         if lr is not None and "grad" in data.statistics.projections:
-            g_norm = math.sqrt(float(global_norm_squared(data.mean_grad)))
-            # s = -lr * p.grad, and p.grad = c * g with c > 0 (c = N for a sum-reduced loss)
-            start.update = [-lr * g for g in data.grads]
-            start.tau = math.sqrt(float(global_norm_squared(start.update)))
-            projections = sum(data.statistics.projections["grad"])
-            start.projections = (
-                -projections / g_norm if g_norm > 0 else torch.zeros_like(projections)
-            )
+            # s = -lr * p.grad, and p.grad = c * g with c > 0 (c = N for a sum-reduced loss):
+            # s / tau = -p.grad / ||p.grad|| and (g_n . s) / tau = -(g_n . g) / ||g||, from the
+            # projections onto g that the engine computed for this step (shared with the
+            # gradient tests)
+            # ||g||^2 = mean_n g_n . g: no pass over the gradients is needed for it
+            projections = _summed(data.statistics.projections["grad"])
+            g_norm = projections.double().mean().clamp_min(0).sqrt()
+            grad_norm = g_norm if data.mean_grad is data.grads else g_norm * start.n
+            start.tau = lr * grad_norm
+            start.projections = projections / -_positive(g_norm.to(projections.dtype))
+            start.unit = _unit_step(data, grad_norm, g_norm)
         else:
             if not hasattr(optimizer, "step"):
                 raise TypeError(
@@ -123,17 +134,22 @@ class _Start:
         return start
 
     def finish_update(self, params: list[Tensor]) -> None:
-        """Measure s = theta_{t+1} - theta_t (when not known in advance) and project."""
-        if self.update is not None:
+        """Measure s = theta_{t+1} - theta_t (when not known in advance) and project.
+
+        A zero update gives a zero unit direction and zero projections (reported by
+        :meth:`alpha`), so that nothing here waits for the device.
+        """
+        if self.unit is not None:
             return
-        self.update = [p - q for p, q in zip(params, self.params, strict=True)]
-        self.tau = math.sqrt(float(global_norm_squared(self.update)))
-        if self.tau > 0:
-            unit = [s / self.tau for s in self.update]
-            stats = self.per_sample(
-                Request(directions=frozenset({_DIRECTION})), {_DIRECTION: unit}, self.params
-            )
-            self.projections = sum(stats.projections[_DIRECTION])
+        # the direction is s itself (projections are divided by tau afterwards: one pass over
+        # the parameters less)
+        self.unit = torch._foreach_sub(params, self.params)
+        self.tau = _global_norm(self.unit)
+        self.per_tau = 1 / _positive(self.tau)
+        stats = self.per_sample(
+            Request(directions=frozenset({_DIRECTION})), {_DIRECTION: self.unit}, self.params
+        )
+        self.projections = _summed(stats.projections[_DIRECTION]) * self.per_tau
         self.params, self.per_sample = None, None  # release theta_t and the start's capture
 
     def alpha(self, data: StepData) -> float:
@@ -147,19 +163,56 @@ class _Start:
                 stacklevel=3,
             )
             return math.nan
-        if self.tau == 0:
+        end = _summed(data.statistics.projections[_DIRECTION]).double()
+        if self.per_tau is not None:
+            end = end * self.per_tau
+        start = self.projections.double()
+        # one host transfer for the whole fit
+        tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
+            [
+                self.tau.double(),
+                self.f,
+                losses.mean(),
+                start.mean(),
+                end.mean(),
+                self.var_f,
+                _unbiased_variance(losses),
+                _unbiased_variance(start),
+                _unbiased_variance(end),
+            ]
+        ).tolist()
+        if tau == 0:
             warnings.warn(
                 f"Alpha at step {self.step}: the update theta_{{t+1}} - theta_t has length zero "
                 "(no motion); stored -1.",
                 stacklevel=3,
             )
             return -1.0
-        end = sum(data.statistics.projections[_DIRECTION])
-        f = [self.f, float(losses.mean())]
-        df = [float(self.projections.mean()), float(end.mean())]
-        var_f = [self.var_f, _unbiased_variance(losses)]
-        var_df = [_unbiased_variance(self.projections), _unbiased_variance(end)]
-        return fit_alpha(self.tau, f, df, var_f, var_df)
+        return fit_alpha(tau, [f0, f1], [df0, df1], [vf0, vf1], [vdf0, vdf1])
+
+
+def _unit_step(data: StepData, grad_norm: Tensor, g_norm: Tensor) -> list:
+    """-p.grad / ||p.grad|| per parameter, for plain SGD. A Linear weight whose gradient is a
+    mean of N outer products smaller than the weight keeps the factors instead of a copy:
+    -g / ||g|| = -1 / (N ||g||) sum_m delta_m x_m^T (see
+    :mod:`avionics.persample.rules.factored`), which the next step projects onto at a cost of
+    N^2 (I + O) instead of N I O."""
+    factors = data.extra.get("mean_gradient_factors")
+    factors = factors() if factors is not None else [None] * len(data.grads)
+    n = len(data.individual_losses)
+    dense = [k for k, f in enumerate(factors) if f is None]
+    unit: list = [None] * len(data.grads)
+    if dense:
+        grads = [data.grads[k] for k in dense]
+        copies = torch._foreach_div(grads, -_positive(grad_norm.to(grads[0].dtype)))
+        for k, u in zip(dense, copies, strict=True):
+            unit[k] = u
+    for k, f in enumerate(factors):
+        if f is not None:
+            delta, x = f
+            coef = -1.0 / (n * _positive(g_norm.to(delta.dtype)))
+            unit[k] = FactoredDirection(delta, x, coef, data.params[k].shape)
+    return unit
 
 
 def fit_alpha(tau: float, f, df, var_f, var_df) -> float:
@@ -184,8 +237,33 @@ def _checked_losses(data: StepData) -> Tensor:
     return data.individual_losses.detach().double()
 
 
-def _unbiased_variance(values: Tensor) -> float:
-    return float(values.double().var()) if values.numel() > 1 else math.nan
+def _unbiased_variance(values: Tensor) -> Tensor:
+    """The unbiased variance in float64, a tensor (nan for fewer than 2 values)."""
+    if values.numel() < 2:
+        return values.new_tensor(math.nan, dtype=torch.float64)
+    return values.double().var()
+
+
+def _summed(per_parameter: list[Tensor]) -> Tensor:
+    """sum over parameters of per-parameter [N] tensors, in one operation."""
+    if len(per_parameter) == 1:
+        return per_parameter[0]
+    if len({t.dtype for t in per_parameter}) > 1:
+        return sum(per_parameter)
+    return torch.stack(per_parameter).sum(0)
+
+
+def _global_norm(tensors: list[Tensor]) -> Tensor:
+    """sqrt(sum_k ||t_k||^2), a tensor on the tensors' device (no host transfer)."""
+    norms = torch._foreach_norm(tensors)
+    if len({t.dtype for t in norms}) > 1:
+        norms = [t.double() for t in norms]
+    return torch.linalg.vector_norm(torch.stack(norms))
+
+
+def _positive(value: Tensor) -> Tensor:
+    """``value``, or the smallest positive number where it is zero (for divisions of zero)."""
+    return value.clamp_min(torch.finfo(value.dtype).tiny)
 
 
 def _plain_sgd_learning_rate(optimizer) -> float | None:

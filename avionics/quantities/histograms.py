@@ -9,7 +9,8 @@ Bins are those of ``numpy.histogram``: edges ``numpy.linspace(lo, hi, bins + 1)`
 outer bins. Counts are accumulated on the gradients' device from the chunks the per-sample
 engine materialises one parameter at a time (a request ``visitor``): the N x D set never
 exists at once. The bin of a value is floor((x - lo) * bins / (hi - lo)) clamped to
-[0, bins - 1]; a value that lies exactly on an inner edge can land one bin off numpy's choice.
+[0, bins - 1], counted by the one-pass kernels of :mod:`avionics.quantities.binning`; a value
+that lies within rounding of an inner edge can land one bin off numpy's choice.
 
 Range adaptation (``adapt=GradAbsMax()`` or ``ParamAbsMax()``), as in the reference Cockpit
 tool: after each tracked step the range becomes [-m, m], m = (1 + padding) * max(min_size / 2,
@@ -23,7 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from avionics.persample import Request
+from avionics.persample import OuterProducts, Request
+from avionics.quantities import binning
 from avionics.quantities.base import Quantity, StepData
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
@@ -80,57 +82,6 @@ def _checked_adapt(name: str, adapt):
     return adapt
 
 
-# Elements processed at once: bounds the temporaries of the binning (bin indices, clamped
-# copies) to a few MiB beside the engine's chunk, and keeps them in cache. torch.histc counts
-# in the input's floating dtype, exactly up to 2**24 per call and bin: BLOCK is far below.
-BLOCK = 2**20
-
-
-def bin_indices(x: Tensor, bins: int, lo: float, hi: float) -> Tensor:
-    """The numpy bin of each element of ``x``, clamped into [0, bins - 1], as int32."""
-    scale = bins / (hi - lo)
-    index = torch.add(x, -lo).mul_(scale).clamp_(0, bins - 1)
-    return index.to(torch.int32)  # truncation = floor (non-negative)
-
-
-def histogram_1d(x: Tensor, bins: int, lo: float, hi: float, track_max: bool):
-    """(int64 counts of the flattened ``x`` clamped into [lo, hi], max |x| or None).
-
-    On the CPU, ``torch.histc`` counts the values inside [lo, hi] in one pass; only when
-    some are missing from its total (rare with a sensible or adapted range) is a second pass
-    made, counting those below ``lo`` into the first bin, the rest into the last. On an
-    accelerator, where reading a value back stalls the device, the values are clamped first.
-    """
-    x = x.reshape(-1)
-    counts = torch.zeros(bins, dtype=torch.int64, device=x.device)
-    abs_max = _abs_max(x) if track_max else None
-    if x.device.type != "cpu":
-        for part in x.split(BLOCK):
-            counts += torch.histc(part.clamp(lo, hi), bins, lo, hi).to(torch.int64)
-        return counts, abs_max
-    for part in x.split(BLOCK):
-        counts += torch.histc(part, bins, lo, hi).to(torch.int64)
-    outside = x.numel() - int(counts.sum())
-    if outside:
-        below = int(sum(torch.count_nonzero(part < lo) for part in x.split(BLOCK)))
-        counts[0] += below
-        counts[-1] += outside - below
-    return counts, None if abs_max is None else float(abs_max)
-
-
-def _blocks(rows: int, columns: int):
-    """(row slice, column slice) pairs covering a [rows, columns] array, BLOCK elements each
-    at most (whole rows when a row fits)."""
-    if columns <= BLOCK:
-        step = max(1, BLOCK // max(1, columns))
-        for i in range(0, rows, step):
-            yield slice(i, i + step), slice(None)
-    else:
-        for i in range(rows):
-            for j in range(0, columns, BLOCK):
-                yield slice(i, i + 1), slice(j, j + BLOCK)
-
-
 def _edges(bins: int, limits: tuple[float, float]) -> list[float]:
     return np.linspace(limits[0], limits[1], bins + 1).tolist()
 
@@ -151,6 +102,12 @@ def _abs_max(t: Tensor) -> Tensor:
     return torch.maximum(-low, high)
 
 
+def _chunk_abs_max(chunk: Tensor | OuterProducts) -> Tensor:
+    if isinstance(chunk, OuterProducts):
+        return chunk.abs_max()
+    return _abs_max(chunk) if chunk.numel() else chunk.new_zeros(())
+
+
 class _Histogram(Quantity):
     info_keys = PER_SAMPLE_KEYS
 
@@ -162,7 +119,7 @@ class _Histogram(Quantity):
         self._begin(data)
         return {}
 
-    def _visit(self, k: int, chunk: Tensor) -> None:
+    def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
         raise NotImplementedError
 
     def _begin(self, data: StepData) -> None:
@@ -191,14 +148,12 @@ class GradHist1d(_Histogram):
     def _begin(self, data: StepData) -> None:
         self._counts, self._max, self._step_range = None, None, self.range
 
-    def _visit(self, k: int, chunk: Tensor) -> None:
-        if not chunk.numel():
-            return
-        track = self.adapt is not None and self.adapt.source == "grad"
-        counts, abs_max = histogram_1d(chunk, self.bins, *self._step_range, track)
-        self._counts = counts if self._counts is None else self._counts + counts
-        if track:
-            self._max = _larger(self._max, abs_max)
+    def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
+        if self._counts is None:
+            self._counts = torch.zeros(self.bins, dtype=torch.int64, device=chunk.device)
+        binning.count_1d(chunk, *self._step_range, self._counts)
+        if self.adapt is not None and self.adapt.source == "grad":
+            self._max = _larger(self._max, _chunk_abs_max(chunk))
 
     def compute(self, data: StepData):
         if self._counts is None:  # no tracked parameter had any element
@@ -255,25 +210,22 @@ class GradHist2d(_Histogram):
         self._max = None
         self._step_range = list(self.range)
 
-    def _visit(self, k: int, chunk: Tensor) -> None:
+    def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
         (xbins, ybins), ((xlo, xhi), (ylo, yhi)) = self.bins, self._step_range
         # flat bin index y * xbins + x per element (y from theta_d, the same for every sample);
         # the counts are reshaped to [ybins, xbins] and transposed at the end
         offset = self._offsets.get(k)
         if offset is None:
-            theta = self._params[k].reshape(-1).to(chunk.dtype)
-            offset = self._offsets[k] = bin_indices(theta, ybins, ylo, yhi).mul_(xbins)
-        values = chunk.reshape(chunk.shape[0], -1)
+            theta = self._params[k].detach().reshape(-1)
+            offset = self._offsets[k] = binning.bin_index(theta, ybins, ylo, yhi).mul_(xbins)
         counts = self._counts[k]
         if counts is None:
             counts = self._counts[k] = torch.zeros(
                 xbins * ybins, dtype=torch.int64, device=chunk.device
             )
-        for rows, columns in _blocks(*values.shape):
-            index = bin_indices(values[rows, columns], xbins, xlo, xhi).add_(offset[columns])
-            counts += torch.bincount(index.reshape(-1), minlength=xbins * ybins)
-        if self._track_max and chunk.numel():
-            self._max = _larger(self._max, _abs_max(chunk))
+        binning.count_2d(chunk, offset, xbins, xlo, xhi, counts)
+        if self._track_max:
+            self._max = _larger(self._max, _chunk_abs_max(chunk))
 
     def compute(self, data: StepData):
         xbins, ybins = self.bins

@@ -40,6 +40,9 @@ def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
     other = [torch.randn_like(p) for p in params]
     stats = engine.statistics(calls, request, {"grad": mean_grad, "other": other}, n, scale)
+    # projections alone: tied weights sum the closed forms of their contributions
+    only = Request(directions=frozenset({"grad", "other"}))
+    stats.only = engine.statistics(calls, only, {"grad": mean_grad, "other": other}, n, scale)
     reference = models.per_sample_gradients(model, X, y, loss_fn, params)
     return stats, reference, mean_grad, other, engine
 
@@ -51,9 +54,10 @@ def assert_exact(model, X, y, loss_fn, reduction="mean"):
         torch.testing.assert_close(stats.sq_norms[k], flat.pow(2).sum(1), rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(stats.sum_sq[k], ref.pow(2).sum(0), rtol=1e-10, atol=1e-12)
         for name, v in (("grad", mean_grad[k]), ("other", other[k])):
-            torch.testing.assert_close(
-                stats.projections[name][k], flat @ v.reshape(-1), rtol=1e-10, atol=1e-12
-            )
+            for projections in (stats.projections, stats.only.projections):
+                torch.testing.assert_close(
+                    projections[name][k], flat @ v.reshape(-1), rtol=1e-10, atol=1e-12
+                )
     # the brute force is a loop of autograd.grad: its mean is the gradient
     for ref, g in zip(reference, mean_grad):
         torch.testing.assert_close(ref.mean(0), g, rtol=1e-10, atol=1e-12)

@@ -171,9 +171,47 @@ def test_alpha_keeps_no_per_sample_gradients():
     cockpit = Cockpit(model, [alpha])
     train_one(model, X, y, loss_fn, opt, cockpit, 0)
     start = alpha._start
-    assert start.per_sample is not None and start.update is None
+    assert start.per_sample is not None and start.unit is None
     assert [p.shape for p in start.params] == [p.shape for p in model.parameters()]
     train_one(model, X, y, loss_fn, opt, cockpit, 1)
     assert 0 in cockpit.get_output() and "Alpha" in cockpit.get_output()[0]
     # the start of step 0 was released; step 1 is the new start
     assert alpha._start.step == 1
+
+
+def wide_mlp(n=4, seed=0):
+    """Linear layers wider than the batch: plain SGD keeps their unit step as factors."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 16), nn.Tanh())
+    model.append(nn.Linear(16, 3))
+    X, y = torch.randn(n, 12), torch.randint(0, 3, (n,))
+    return model.double(), X.double(), y, models._classification_losses
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_plain_sgd_keeps_factors_and_matches_brute_force(reduction):
+    from avionics.persample.rules.factored import FactoredDirection
+
+    model, X, y, loss_fn = wide_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    alpha = quantities.Alpha()
+    cockpit = Cockpit(model, [alpha, quantities.NormTest()])
+    snapshots = []
+    for step in range(4):
+        snapshots.append(snapshot(model, X, y, loss_fn))
+        opt.zero_grad(set_to_none=False)  # the gradients are overwritten in place
+        losses = loss_fn(model(X), y)
+        loss = losses.mean() if reduction == "mean" else losses.sum()
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
+                "optimizer": opt}  # fmt: skip
+        with cockpit(step, info=info):
+            loss.backward()
+        opt.step()
+        kinds = [isinstance(u, FactoredDirection) for u in alpha._start.unit]
+        # the two wide weights as factors, the last weight and the biases dense
+        assert kinds == [True, False, True, False, False, False]
+        X.mul_(1.01)  # a data buffer refilled in place: the kept factors hold a copy
+    output = cockpit.get_output()
+    for t in range(3):
+        expected = reference_alpha(snapshots[t], snapshots[t + 1])
+        assert output[t]["Alpha"] == pytest.approx(expected, rel=1e-7, abs=1e-9), t

@@ -184,26 +184,3 @@ def test_bad_arguments():
         quantities.GradHist1d(adapt="grad")
     with pytest.raises(ValueError, match="pairs"):
         quantities.GradHist2d(bins=(3,))
-
-
-@pytest.mark.parametrize("block", [5, 64])
-def test_blocked_binning_gives_the_same_counts(monkeypatch, block):
-    """Small blocks: several samples per block, and rows split into column blocks."""
-    from avionics.quantities import histograms
-
-    monkeypatch.setattr(histograms, "BLOCK", block)
-    ranges = ((-0.3, 0.3), (-0.6, 0.6))
-    hists = [
-        quantities.GradHist1d(bins=31, range=(-0.5, 0.5)),
-        quantities.GradHist2d(bins=(13, 9), range=ranges, per_parameter=True),
-    ]
-    output, refs = run(models.cnn, hists, steps=1)
-    ref = refs[0]
-    counts, _, ambiguous = expected_1d(ref["G"], 31, -0.5, 0.5)
-    assert_counts_match(output[0]["GradHist1d"]["hist"], counts, ambiguous)
-    counts, _, _, ambiguous = expected_2d(ref["G"], ref["theta"], (13, 9), ranges)
-    assert_counts_match(output[0]["GradHist2d"]["hist"], counts, ambiguous)
-    for ours, G, theta in zip(output[0]["GradHist2d"]["param_hist"], ref["per_param"],
-                              ref["thetas"]):  # fmt: skip
-        c, _, _, amb = expected_2d(G, theta, (13, 9), ranges)
-        assert_counts_match(ours, c, amb)

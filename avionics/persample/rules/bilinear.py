@@ -18,14 +18,16 @@ for the mean gradient g = mean_m G_m, and materialising G_n costs N G T I O.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from avionics.persample.request import MEAN_GRADIENT, Accumulator, Request
+from avionics.persample.request import MEAN_GRADIENT, Accumulator, OuterProducts, Request
 from avionics.persample.rules.base import Rule, chunk_size
+from avionics.persample.rules.factored import FactoredDirection, dense
 
 
 class Bilinear:
@@ -35,8 +37,15 @@ class Bilinear:
     unfolds its input only a chunk of samples at a time when the gradients are materialised.
     """
 
-    def __init__(self, inputs: Callable[[int, int], Tensor], delta: Tensor, weight_shape):
+    def __init__(
+        self,
+        inputs: Callable[[int, int], Tensor],
+        delta: Tensor,
+        weight_shape,
+        project: Callable[[Tensor], Tensor] | None = None,
+    ):
         self.inputs, self.delta, self.weight_shape = inputs, delta, weight_shape
+        self.project = project  # G_n . V for V shaped like the weight, if the layer has its own
         self.n, self.groups, self.t, self.o = delta.shape
         self.i = math.prod(weight_shape) // (self.groups * self.o)
         self._x: Tensor | None = None
@@ -59,17 +68,28 @@ class Bilinear:
         return gram < self.t * self.i * self.o
 
     def statistics(self, request: Request, directions: dict[str, Tensor], index: int) -> dict:
+        if request.visitors and self.t == 1 and self.groups == 1:
+            # the visitors take g_n = delta_n x_n^T unmultiplied; the rest has closed forms
+            outer = OuterProducts(self.delta[:, 0, 0], self.x[:, 0, 0])
+            for visit in request.visitors:
+                visit(index, outer)
+            request = dataclasses.replace(request, visitors=())
         materialize = bool(request.visitors) or (request.sum_sq and self.t > 1)
         materialize |= request.sq_norms and self.t > 1 and not self._uses_gram()
+        # with shared axes (T > 1) each projection costs N T I O, while materialising G_n
+        # costs N T I O once and N I O per direction: cheaper from two directions on (the
+        # convolutions' own projections are kept: they need no unfolded input)
+        materialize |= self.t > 1 and self.project is None and len(directions) >= 2
         if materialize:
-            acc = Accumulator(request, directions, index)
+            acc = Accumulator(request, {k: dense(v) for k, v in directions.items()}, index)
             step = self._step()
             for start in range(0, self.n, step):
                 acc.add(self.materialize(start, min(self.n, start + step)))
             return acc.result()
-        x, d = self.x, self.delta
+        d = self.delta
         out: dict = {}
         if request.sq_norms:
+            x = self.x  # (unfolded only where a closed form needs it whole)
             if self.t == 1 and MEAN_GRADIENT in directions and self._mean_projection_by_gram():
                 out["sq_norms"] = self._gram().diagonal()
             elif self.t == 1:
@@ -83,13 +103,20 @@ class Bilinear:
         if directions:
             out["projections"] = {}
             for name, v in directions.items():
+                if isinstance(v, FactoredDirection):
+                    if self.t == 1 and self.groups == 1:
+                        out["projections"][name] = v.project(d[:, 0, 0], self.x[:, 0, 0])
+                        continue
+                    v = v.dense()
                 if name == MEAN_GRADIENT and self._mean_projection_by_gram():
                     out["projections"][name] = self._gram().mean(1)
+                elif self.project is not None:
+                    out["projections"][name] = self.project(v.reshape(self.weight_shape))
                 else:
                     v = v.reshape(self.groups, self.o, self.i)
                     out["projections"][name] = self._projection(v)
         if request.sum_sq:  # t == 1 here
-            s = torch.einsum("ngo,ngi->goi", d[:, :, 0].pow(2), x[:, :, 0].pow(2))
+            s = torch.einsum("ngo,ngi->goi", d[:, :, 0].pow(2), self.x[:, :, 0].pow(2))
             out["sum_sq"] = s.reshape(self.weight_shape)
         return out
 
@@ -135,12 +162,16 @@ class Bilinear:
 class BilinearRule(Rule):
     """A layer with a bilinear weight gradient and an optional bias (grad b = sum_t delta_t).
 
-    Subclasses set ``self.delta`` [N, G, T, O] (already scaled) and either ``self.x``
-    [N, G, T, I] or their own :meth:`inputs`.
+    Subclasses set ``self.delta`` [N, G, T, O] and either ``self.x`` [N, G, T, I] or their own
+    :meth:`inputs`, with the scale in one of them: in delta (always where T = 1), or in x with
+    ``delta_scale`` set to it.
     """
 
     x: Tensor
     delta: Tensor
+    # what delta still has to be multiplied by (1 where the scale is already in delta; a rule
+    # may scale the smaller factor x instead when that changes nothing but the bias)
+    delta_scale: float = 1
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """x of samples start..stop-1, [stop - start, G, T, I]."""
@@ -148,11 +179,17 @@ class BilinearRule(Rule):
 
     def _weight(self) -> Bilinear:
         if getattr(self, "_bilinear", None) is None:
-            self._bilinear = Bilinear(self.inputs, self.delta, self.module.weight.shape)
+            self._bilinear = Bilinear(
+                self.inputs, self.delta, self.module.weight.shape, self.projection
+            )
         return self._bilinear
 
+    # G_n . V computed by the layer itself (no unfolding), or None for the generic einsum
+    projection: Callable[[Tensor], Tensor] | None = None
+
     def _bias(self) -> Tensor:
-        return self.delta.sum(2).flatten(1)
+        bias = self.delta.sum(2).flatten(1)
+        return bias if self.delta_scale == 1 else bias * self.delta_scale
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         weight = self._weight()
@@ -167,7 +204,7 @@ class BilinearRule(Rule):
             if name == "weight":
                 results.append(self._weight().statistics(requests[k], directions[k], k))
             else:
-                acc = Accumulator(requests[k], directions[k], k)
+                acc = Accumulator(requests[k], {d: dense(v) for d, v in directions[k].items()}, k)
                 acc.add(self._bias())
                 results.append(acc.result())
         return results

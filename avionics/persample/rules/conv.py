@@ -42,14 +42,26 @@ class ConvRule(BilinearRule):
     def __init__(self, module: nn.modules.conv._ConvNd, calls, names, n, scale):
         super().__init__(module, calls, names, n, scale)
         groups = module.groups
-        self.raw_inputs, ds = [], []
+        self.raw_inputs, self.raw_deltas, ds = [], [], []
         for call in calls:
             self.raw_inputs.append(
                 batch_first(call.args[0], call.batch_axis, n, "Convolution input")
             )
             d = batch_first(output_gradient(call), call.batch_axis, n, "Convolution output")
+            self.raw_deltas.append(d)
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
         self.delta = concatenate(ds, 2) * scale  # [N, G, T, O/G]
+
+    def projection(self, v: Tensor) -> Tensor:
+        """G_n . V = sum_t delta_{n,t} . (V x^unf_{n,t}) = <delta_n, conv(x_n; V)>: the layer's
+        own convolution with V as its weight (padding, stride, groups as the layer has them),
+        without unfolding the input; cost N T I O, that of the layer's forward."""
+        result = None
+        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+            mapped = self.module._conv_forward(x, v, None)
+            p = torch.linalg.vecdot(mapped.flatten(1), d.flatten(1))
+            result = p if result is None else result + p
+        return result * self.scale
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built

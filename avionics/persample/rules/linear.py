@@ -21,5 +21,12 @@ class LinearRule(BilinearRule):
             d = batch_first(output_gradient(call), call.batch_axis, n, "Linear output")
             xs.append(x.reshape(n, -1, x.shape[-1]))
             ds.append(d.reshape(n, -1, d.shape[-1]))
-        self.x = concatenate(xs, 1).unsqueeze(1)  # [N, 1 group, T, in]
-        self.delta = (concatenate(ds, 1) * scale).unsqueeze(1)  # [N, 1 group, T, out]
+        x, d = concatenate(xs, 1), concatenate(ds, 1)
+        if d.shape[1] > 1 and x.numel() < d.numel():
+            # with shared axes G_n = sum_t delta_t x_t^T is bilinear: the scale goes on the
+            # smaller factor (one copy less of the larger); the bias reads delta_scale
+            x, self.delta_scale = x * scale, scale
+        else:
+            d = d * scale
+        self.x = x.unsqueeze(1)  # [N, 1 group, T, in]
+        self.delta = d.unsqueeze(1)  # [N, 1 group, T, out]

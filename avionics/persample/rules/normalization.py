@@ -19,6 +19,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from avionics.persample.rules.base import Rule, batch_first, output_gradient
 
@@ -27,19 +28,17 @@ _warned_batchnorm_train = False
 
 def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
     """x_hat, and how many leading axes (batch included) are summed over."""
+    # x_hat by the layer's own kernel without its affine part: the same numbers as its forward
+    # (and several times faster than var_mean on short rows)
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
-        dims = tuple(range(-len(module.normalized_shape), 0))
+        shape = module.normalized_shape
         if isinstance(module, nn.LayerNorm):
-            var, mean = torch.var_mean(x, dims, keepdim=True, correction=0)
-            x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+            x_hat = F.layer_norm(x, shape, None, None, module.eps)
         else:
-            eps = torch.finfo(x.dtype).eps if module.eps is None else module.eps
-            x_hat = x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
-        return x_hat, x.dim() - len(module.normalized_shape)
+            x_hat = F.rms_norm(x, shape, None, module.eps)
+        return x_hat, x.dim() - len(shape)
     if isinstance(module, nn.GroupNorm):
-        grouped = x.reshape(x.shape[0], module.num_groups, -1)
-        var, mean = torch.var_mean(grouped, -1, keepdim=True, correction=0)
-        x_hat = ((grouped - mean) * torch.rsqrt(var + module.eps)).reshape(x.shape)
+        x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
         return x_hat.movedim(1, -1), x.dim() - 1
     # BatchNorm: channels on axis 1
     if module.training or module.running_mean is None:

@@ -1,0 +1,246 @@
+"""Counting per-sample gradient elements into equal-width bins in one pass (CPU kernels, numba).
+
+A value x falls into bin
+
+    b(x) = floor((x - lo) * bins / (hi - lo)),  clamped to [0, bins - 1],
+
+computed in float64 whatever the values' dtype (``numpy.histogram`` also compares in float64;
+only a value within rounding of an inner edge can land in the neighbouring bin). Values below
+``lo`` count in the first bin, values above ``hi`` and NaN in the last, so the counts always
+add up to the number of values. ``GradHist2d``'s joint bin adds a per-column offset:
+b(x) + offsets[column].
+
+The values come as a tensor [rows, ...] or, for a Linear layer's weight without shared axes,
+as the factors of g_n = delta_n x_n^T (:class:`avionics.persample.OuterProducts`): the kernels
+then form each product delta_{n,o} x_{n,i} (one rounding in the values' dtype, exactly as
+materialising it would) and bin it at once, so the N x O x I gradients are never written.
+
+Why kernels: a histogram of N * D elements costs one read of each at best. ``torch.histc`` and
+``torch.bincount`` take 3-8 ns per element on a CPU core, several times the cost of writing
+the element once; these loops take about 0.5 ns (1d) and 1 ns (2d). The increments are the
+bottleneck (a run of equal bins serialises on one counter), so counts go to several private
+counters, and in 1d with ``bins <= PAIR_BINS`` two values are counted with one increment of
+their joint bin b(x_1) * bins + b(x_2), marginalised at the end. Tensors on an accelerator are
+counted with ``torch.histc`` / ``torch.bincount``.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+import torch
+from torch import Tensor
+
+from avionics.persample import OuterProducts
+
+# Values binned per pass of the index loop (its buffer stays in L1).
+_BATCH = 1024
+# Largest bin count for which the 1d kernels count pairs of values (3 * bins^2 counters).
+PAIR_BINS = 128
+
+_jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+
+
+@_jit
+def _bin(b, top):
+    """The clamped bin of a scaled value b = (x - lo) * scale. Selects rather than branches,
+    so that the loops around it vectorise; the comparisons are False for NaN (last bin)."""
+    b = b if b < top else top
+    return np.int32(b if b > 0.0 else 0.0)
+
+
+@_jit
+def _bin_values(values, start, stop, lo, scale, top, out):
+    for e in range(stop - start):
+        out[e] = _bin((np.float64(values[start + e]) - lo) * scale, top)
+
+
+@_jit
+def _bin_products(a, values, start, stop, lo, scale, top, out):
+    """Bins of the products a * values[e] (rounded in the values' dtype)."""
+    for e in range(stop - start):
+        out[e] = _bin((np.float64(a * values[start + e]) - lo) * scale, top)
+
+
+@_jit
+def _counters(bins):
+    if bins <= PAIR_BINS:
+        return np.zeros((3, bins * bins), np.int64)  # two of pairs, one of single values
+    return np.zeros((8, bins), np.int64)
+
+
+@_jit
+def _tally(index, m, counters, bins):
+    """Count the bins index[:m] into the private counters."""
+    if bins <= PAIR_BINS:
+        even = m - m % 4
+        for e in range(0, even, 4):
+            counters[0, index[e] * bins + index[e + 1]] += 1
+            counters[1, index[e + 2] * bins + index[e + 3]] += 1
+        for e in range(even, m):
+            counters[2, index[e]] += 1
+    else:
+        even = m - m % 8
+        for e in range(0, even, 8):
+            for j in range(8):
+                counters[j, index[e + j]] += 1
+        for e in range(even, m):
+            counters[0, index[e]] += 1
+
+
+@_jit
+def _collect(counters, bins, counts):
+    if bins <= PAIR_BINS:
+        for j in range(2):
+            for a in range(bins):
+                for c in range(bins):
+                    k = counters[j, a * bins + c]
+                    counts[a] += k
+                    counts[c] += k
+        for a in range(bins):
+            counts[a] += counters[2, a]
+    else:
+        for j in range(8):
+            for a in range(bins):
+                counts[a] += counters[j, a]
+
+
+@_jit
+def _count_1d(values, lo, scale, bins, counts):
+    top = np.float64(bins - 1)
+    index = np.empty(_BATCH, np.int32)
+    counters = _counters(bins)
+    for start in range(0, values.size, _BATCH):
+        stop = min(values.size, start + _BATCH)
+        _bin_values(values, start, stop, lo, scale, top, index)
+        _tally(index, stop - start, counters, bins)
+    _collect(counters, bins, counts)
+
+
+@_jit
+def _count_outer_1d(delta, x, lo, scale, bins, counts):
+    top = np.float64(bins - 1)
+    index = np.empty(_BATCH, np.int32)
+    counters = _counters(bins)
+    for n in range(delta.shape[0]):
+        row = x[n]
+        for o in range(delta.shape[1]):
+            for start in range(0, row.size, _BATCH):
+                stop = min(row.size, start + _BATCH)
+                _bin_products(delta[n, o], row, start, stop, lo, scale, top, index)
+                _tally(index, stop - start, counters, bins)
+    _collect(counters, bins, counts)
+
+
+@_jit
+def _tally_joint(index, m, offsets, counters):
+    even = m - m % 4
+    for e in range(0, even, 4):
+        for j in range(4):
+            counters[j, index[e + j] + offsets[e + j]] += 1
+    for e in range(even, m):
+        counters[0, index[e] + offsets[e]] += 1
+
+
+@_jit
+def _count_2d(values, offsets, lo, scale, bins, counts):
+    top = np.float64(bins - 1)
+    index = np.empty(_BATCH, np.int32)
+    counters = np.zeros((4, counts.size), np.int64)
+    columns = offsets.size
+    for r in range(values.shape[0]):
+        for start in range(0, columns, _BATCH):
+            stop = min(columns, start + _BATCH)
+            _bin_values(values[r], start, stop, lo, scale, top, index)
+            _tally_joint(index, stop - start, offsets[start:stop], counters)
+    for j in range(4):
+        counts += counters[j]
+
+
+@_jit
+def _count_outer_2d(delta, x, offsets, lo, scale, bins, counts):
+    top = np.float64(bins - 1)
+    index = np.empty(_BATCH, np.int32)
+    counters = np.zeros((4, counts.size), np.int64)
+    width = x.shape[1]
+    for n in range(delta.shape[0]):
+        row = x[n]
+        for o in range(delta.shape[1]):
+            for start in range(0, width, _BATCH):
+                stop = min(width, start + _BATCH)
+                _bin_products(delta[n, o], row, start, stop, lo, scale, top, index)
+                columns = offsets[o * width + start : o * width + stop]
+                _tally_joint(index, stop - start, columns, counters)
+    for j in range(4):
+        counts += counters[j]
+
+
+def _as_numpy(values: Tensor) -> np.ndarray:
+    if values.dtype not in (torch.float32, torch.float64):
+        values = values.float()
+    return values.detach().contiguous().numpy()
+
+
+def _factors(chunk: OuterProducts) -> tuple[np.ndarray, np.ndarray]:
+    dtype = torch.promote_types(chunk.delta.dtype, chunk.x.dtype)
+    return _as_numpy(chunk.delta.to(dtype)), _as_numpy(chunk.x.to(dtype))
+
+
+def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor) -> None:
+    """Add the bin counts of all per-sample gradient elements in ``chunk`` to ``counts``
+    (int64 [bins], on the chunk's device)."""
+    bins, scale = counts.numel(), counts.numel() / (hi - lo)
+    if chunk.device.type != "cpu":
+        torch_count_1d(_tensor(chunk), lo, hi, counts)
+    elif isinstance(chunk, OuterProducts):
+        _count_outer_1d(*_factors(chunk), lo, scale, bins, counts.numpy())
+    else:
+        _count_1d(_as_numpy(chunk).reshape(-1), lo, scale, bins, counts.numpy())
+
+
+def count_2d(
+    chunk: Tensor | OuterProducts,
+    offsets: Tensor,
+    bins: int,
+    lo: float,
+    hi: float,
+    counts: Tensor,
+) -> None:
+    """Add to ``counts`` (int64, flat) the joint bins b(g_{n,d}) + offsets[d] of the
+    per-sample gradient elements in ``chunk`` (D = offsets.numel() per sample), g binned into
+    ``bins`` bins on [lo, hi]."""
+    scale = bins / (hi - lo)
+    if chunk.device.type != "cpu":
+        torch_count_2d(_tensor(chunk), offsets, bins, lo, hi, counts)
+        return
+    offsets_np = offsets.to(torch.int64).contiguous().numpy()
+    if isinstance(chunk, OuterProducts):
+        _count_outer_2d(*_factors(chunk), offsets_np, lo, scale, bins, counts.numpy())
+    else:
+        values = _as_numpy(chunk).reshape(-1, offsets.numel())
+        _count_2d(values, offsets_np, lo, scale, bins, counts.numpy())
+
+
+def bin_index(values: Tensor, bins: int, lo: float, hi: float) -> Tensor:
+    """The bin b(x) of each value (int64, same shape and device), as the kernels count it."""
+    b = torch.add(values.detach().double(), -lo).mul_(bins / (hi - lo))
+    return b.nan_to_num_(nan=bins - 1).clamp_(0, bins - 1).to(torch.int64)
+
+
+def _tensor(chunk: Tensor | OuterProducts) -> Tensor:
+    return chunk.materialize() if isinstance(chunk, OuterProducts) else chunk
+
+
+def torch_count_1d(values: Tensor, lo: float, hi: float, counts: Tensor) -> None:
+    """:func:`count_1d` of a tensor in torch operations, for accelerators (NaN uncounted)."""
+    bins = counts.numel()
+    counts += torch.histc(values.reshape(-1).clamp(lo, hi), bins, lo, hi).to(torch.int64)
+
+
+def torch_count_2d(
+    values: Tensor, offsets: Tensor, bins: int, lo: float, hi: float, counts: Tensor
+) -> None:
+    """:func:`count_2d` of a tensor in torch operations, for accelerators."""
+    index = torch.add(values.reshape(-1, offsets.numel()), -lo).mul_(bins / (hi - lo))
+    index = index.clamp_(0, bins - 1).to(torch.int64).add_(offsets)
+    counts += torch.bincount(index.reshape(-1), minlength=counts.numel())

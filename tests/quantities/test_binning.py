@@ -1,0 +1,123 @@
+"""The binning kernels against numpy.histogram / numpy.histogram2d."""
+
+import numpy as np
+import pytest
+import torch
+
+from avionics.persample import OuterProducts
+from avionics.quantities import binning
+
+
+def numpy_1d(values: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
+    """numpy's counts with our conventions: clamped into the range, NaN in the last bin."""
+    values = values.astype(np.float64).reshape(-1)
+    nan = np.isnan(values)
+    counts = np.histogram(np.clip(values[~nan], lo, hi), bins=bins, range=(lo, hi))[0]
+    counts[-1] += nan.sum()
+    return counts
+
+
+def random_values(n: int, dtype, seed: int = 0) -> torch.Tensor:
+    """Spread over and beyond [-1, 1], with zeros, infinities, NaN and the range ends."""
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(n, generator=gen, dtype=torch.float64) * 0.7
+    special = torch.tensor([0.0, -1.0, 1.0, float("inf"), -float("inf"), float("nan"), 3.0])
+    values[: min(n, len(special))] = special[: min(n, len(special))].double()
+    return values.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bins", [1, 31, 100, binning.PAIR_BINS, binning.PAIR_BINS + 1, 300])
+@pytest.mark.parametrize("n", [1, 3, 1025, 5001])
+def test_count_1d_matches_numpy(dtype, bins, n):
+    values = random_values(n, dtype)
+    counts = torch.zeros(bins, dtype=torch.int64)
+    binning.count_1d(values, -1.0, 1.0, counts)
+    binning.count_1d(values[: n // 2], -1.0, 1.0, counts)  # counts accumulate
+    expected = numpy_1d(values.float().numpy(), bins, -1, 1)
+    expected += numpy_1d(values[: n // 2].float().numpy(), bins, -1, 1)
+    np.testing.assert_array_equal(counts.numpy(), expected)
+
+
+def test_count_1d_of_a_strided_multidimensional_tensor():
+    values = random_values(6 * 7 * 5, torch.float64).reshape(6, 7, 5).transpose(0, 2)
+    counts = torch.zeros(17, dtype=torch.int64)
+    binning.count_1d(values, -0.5, 1.5, counts)
+    np.testing.assert_array_equal(counts.numpy(), numpy_1d(values.numpy(), 17, -0.5, 1.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(1, 1), (3, 1030), (17, 5)])
+def test_count_2d_matches_numpy(dtype, shape):
+    xbins, ybins = 13, 9
+    g = random_values(shape[0] * shape[1], dtype, seed=1).reshape(shape)
+    theta = random_values(shape[1], dtype, seed=2) * 2
+    offsets = binning.bin_index(theta, ybins, -2.0, 2.0) * xbins
+    counts = torch.zeros(xbins * ybins, dtype=torch.int64)
+    binning.count_2d(g, offsets, xbins, -1.0, 1.0, counts)
+
+    x = g.double().numpy().reshape(-1)
+    y = np.broadcast_to(theta.double().numpy(), shape).reshape(-1)
+    x_bin = np.argmax(numpy_onehot(x, xbins, -1, 1), axis=1)
+    y_bin = np.argmax(numpy_onehot(y, ybins, -2, 2), axis=1)
+    expected = np.zeros((ybins, xbins), dtype=np.int64)
+    np.add.at(expected, (y_bin, x_bin), 1)
+    np.testing.assert_array_equal(counts.numpy().reshape(ybins, xbins), expected)
+
+
+def numpy_onehot(values: np.ndarray, bins: int, lo: float, hi: float) -> np.ndarray:
+    """[n, bins]: each value's numpy bin (clamped; NaN in the last bin), one-hot."""
+    return np.stack([numpy_1d(v[None], bins, lo, hi) for v in values])
+
+
+def test_bin_index_agrees_with_the_kernel():
+    values = random_values(2000, torch.float64, seed=3)
+    index = binning.bin_index(values, 23, -1.0, 1.0)
+    counts = torch.zeros(23, dtype=torch.int64)
+    binning.count_1d(values, -1.0, 1.0, counts)
+    np.testing.assert_array_equal(np.bincount(index.numpy(), minlength=23), counts.numpy())
+
+
+def test_torch_fallbacks_match_the_kernels():
+    """The accelerator path, run on the CPU (finite values: it does not count NaN)."""
+    values = random_values(3000, torch.float64, seed=4)
+    values = values[values.isfinite()]
+    ours, theirs = (torch.zeros(31, dtype=torch.int64) for _ in range(2))
+    binning.count_1d(values, -1.0, 1.0, ours)
+    binning.torch_count_1d(values, -1.0, 1.0, theirs)
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+    g = values[:2900].reshape(29, 100)
+    offsets = binning.bin_index(torch.linspace(-3, 3, 100), 7, -2.0, 2.0) * 11
+    ours, theirs = (torch.zeros(77, dtype=torch.int64) for _ in range(2))
+    binning.count_2d(g, offsets, 11, -1.0, 1.0, ours)
+    binning.torch_count_2d(g, offsets, 11, -1.0, 1.0, theirs)
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bins", [31, binning.PAIR_BINS + 1])
+def test_outer_products_count_as_their_materialised_values(dtype, bins):
+    """The fused kernels bin delta_{n,o} x_{n,i} exactly as the materialised products."""
+    delta = random_values(3 * 5, dtype, seed=5).reshape(3, 5)
+    x = random_values(3 * 1500, dtype, seed=6).reshape(3, 1500)  # rows longer than a batch
+    outer = OuterProducts(delta, x)
+    g = outer.materialize()
+    torch.testing.assert_close(g, torch.einsum("no,ni->noi", delta, x), rtol=0, atol=0,
+                               equal_nan=True)  # fmt: skip
+    finite = OuterProducts(delta.nan_to_num(0, 0, 0), x.nan_to_num(0, 0, 0))
+    assert finite.abs_max().item() == finite.materialize().abs().max().item()
+
+    fused, materialised = (torch.zeros(bins, dtype=torch.int64) for _ in range(2))
+    binning.count_1d(outer, -1.0, 1.0, fused)
+    binning.count_1d(g, -1.0, 1.0, materialised)
+    np.testing.assert_array_equal(fused.numpy(), materialised.numpy())
+    assert fused.sum() == g.numel()
+
+    offsets = binning.bin_index(torch.linspace(-3, 3, 5 * 1500, dtype=dtype), 7, -2.0, 2.0)
+    offsets = offsets * bins
+    fused, materialised = (torch.zeros(7 * bins, dtype=torch.int64) for _ in range(2))
+    binning.count_2d(outer, offsets, bins, -1.0, 1.0, fused)
+    binning.count_2d(g, offsets, bins, -1.0, 1.0, materialised)
+    np.testing.assert_array_equal(fused.numpy(), materialised.numpy())
+    assert fused.sum() == g.numel()
