@@ -243,7 +243,8 @@ class Cockpit:
             directions = {"grad": mean_grad}
             for q in active:
                 directions.update(q.directions(data))
-            data.statistics = self._engine.statistics(calls, request, directions, n, scale)
+            if request.statistics:
+                data.statistics = self._engine.statistics(calls, request, directions, n, scale)
             data.extra.update(calls=calls, engine=self._engine)
             data.extra["mean_gradient_factors"] = lambda: self._engine.mean_gradient_factors(
                 calls, n, scale

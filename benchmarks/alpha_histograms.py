@@ -32,7 +32,7 @@ import warnings
 import torch
 
 from avionics import configuration
-from benchmarks.memory import high_water_kib, probe_growth, resident_kib
+from benchmarks.memory import high_water_kib, load_kernels, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 from benchmarks.tools import (
@@ -84,6 +84,7 @@ def _probe(problem: str, config: str, plain: bool, steps: int, threads: int) -> 
     after ``steps`` steps (plain steps, or instrumented with ``config``)."""
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
+    load_kernels()
     baseline = resident_kib()
     model, X, y, loss_fn = PROBLEMS[problem]()
     names, kind = _names(config), CONFIGS[config][1]
@@ -200,7 +201,10 @@ def _report(args, rows, notes, elapsed, final: bool) -> None:
             "Peak memory (economy only), as in the cockpit-overhead section: three steps in a "
             "fresh process; the growth of its RSS high-water from before the model is built "
             "(model, data, optimizer state and the steps' peak), instrumented / plain; glibc's "
-            "mmap threshold is fixed at 1 MiB there so that freed buffers leave the high-water.",
+            "mmap threshold is fixed at 1 MiB there so that freed buffers leave the high-water. "
+            "Like the libraries, the histogram kernels are loaded before the baseline: numba's "
+            "runtime and their code take about 70 MiB once per process (127 MiB with numba's "
+            "import), measured separately.",
             f"The reference tool is timed after one warm-up step with at most "
             f"{args.reference_budget:g} s of steps per cell (at least 3; fewer than the full "
             "count are noted), by default on 2c2d only: on the MLP one of its steps takes "

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from benchmarks.memory import high_water_kib, probe_growth, resident_kib
+from benchmarks.memory import high_water_kib, load_kernels, probe_growth, resident_kib
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 from benchmarks.tools import (
@@ -66,6 +66,7 @@ def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> No
     tool_cls = {"plain": None, "avionics": Avionics, "reference": Reference}[tool]
     if tool_cls is Reference:
         reference_available()  # import it before the baseline is taken
+    load_kernels()
     baseline = resident_kib()
     model, X, y, loss_fn = PROBLEMS[problem]()
     if tool_cls is None:

@@ -6,6 +6,8 @@ interpreter and libraries. The high-water is ``VmHWM``, not ``ru_maxrss``: a chi
 ``ru_maxrss`` starts at its parent's high-water (Linux copies it on fork), which would hide the
 child's own peak. Large buffers are always mmapped (``MALLOC_MMAP_THRESHOLD_``), so that freed
 ones go back to the OS at once and the high-water follows live memory, not glibc's arenas.
+The histogram kernels are loaded before the baseline too (:func:`load_kernels`): numba's
+runtime is a one-time cost of the process, about 70 MiB, reported beside the tables.
 tracemalloc does not see torch's CPU allocations, and this torch build's profiler records no
 memory events, so neither is used.
 """
@@ -16,6 +18,22 @@ import os
 import resource
 import subprocess
 import sys
+
+
+def load_kernels() -> None:
+    """Load avionics' compiled histogram kernels (numba's runtime and code: about 70 MiB, once
+    per process), so that, like the libraries, they are not part of a probe's growth."""
+    import torch
+
+    from avionics.persample import OuterProducts
+    from avionics.quantities import binning
+
+    counts = torch.zeros(4, dtype=torch.int64)
+    binning.count_1d(torch.zeros(3), -1.0, 1.0, counts)
+    binning.count_1d(OuterProducts(torch.zeros(1, 2), torch.zeros(1, 2)), -1.0, 1.0, counts)
+    binning.count_2d(torch.zeros(1, 4), torch.zeros(4, dtype=torch.int64), 1, -1.0, 1.0, counts)
+    outer = OuterProducts(torch.zeros(1, 2), torch.zeros(1, 2))
+    binning.count_2d(outer, torch.zeros(4, dtype=torch.int64), 1, -1.0, 1.0, counts)
 
 
 def resident_kib() -> int:

@@ -55,12 +55,15 @@ class Request:
     * ``directions``: names of directions v (one tensor per parameter, supplied at compute
       time); for each, the projections g_n . v per parameter, shape [N].
     * ``visitors``: called with chunks of materialised per-sample gradients (histograms).
+    * ``calls``: only the captured layer calls (for quantities that backpropagate through them
+      themselves, as the GGN diagonal does); implied by every statistic.
     """
 
     sq_norms: bool = False
     sum_sq: bool = False
     directions: frozenset[str] = frozenset()
     visitors: tuple[Visitor, ...] = ()
+    calls: bool = False
 
     def __or__(self, other: Request) -> Request:
         return Request(
@@ -68,10 +71,17 @@ class Request:
             sum_sq=self.sum_sq or other.sum_sq,
             directions=self.directions | other.directions,
             visitors=self.visitors + tuple(v for v in other.visitors if v not in self.visitors),
+            calls=self.calls or other.calls,
         )
 
-    def __bool__(self) -> bool:
+    @property
+    def statistics(self) -> bool:
+        """Whether any per-sample statistic is asked for."""
         return self.sq_norms or self.sum_sq or bool(self.directions) or bool(self.visitors)
+
+    def __bool__(self) -> bool:
+        """Whether the step's layer calls must be captured."""
+        return self.statistics or self.calls
 
 
 @dataclass

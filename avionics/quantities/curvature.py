@@ -85,8 +85,11 @@ class _Curvature(Quantity):
         self.curvature, self.mc_samples, self.seed = curvature, int(mc_samples), int(seed)
         self.max_probes = int(max_probes)
 
+    # HessTrace needs the captured calls only; TICDiag and TICTrace also sum_n g_{n,d}^2
+    needs_sum_sq = True
+
     def request(self, step: int) -> Request:
-        return Request(sum_sq=True)
+        return Request(sum_sq=self.needs_sum_sq, calls=True)
 
     def describe(self) -> str:
         return f"{super().describe()[:-1]}, curvature={self.curvature!r})"
@@ -150,6 +153,8 @@ class _Curvature(Quantity):
 class HessTrace(_Curvature):
     """Per parameter, the sum of the curvature diagonal h of the mean loss (the Hessian trace
     for ``curvature="diag_h"``)."""
+
+    needs_sum_sq = False
 
     def compute(self, data: StepData):
         return {data.step: self.diagonal_sums(data)}

@@ -6,7 +6,7 @@ Warm-started from the previous tracked step's eigenvector; ``tol`` is the relati
 of the eigenvalue. It does not touch the global random number generator.
 
 Cost (see :func:`top_hessian_eigenpair`): besides the products, a warm-started step of two
-products reads or writes about 19 D-vectors (previously 41), all in preallocated storage: no
+products reads or writes about 19 D-vectors, all in preallocated storage: no
 flat copy (``cat``) of a product on large operators, the last product of a step is not
 orthogonalised, the second Gram-Schmidt pass is fused with the normalisation.
 """

@@ -217,7 +217,8 @@ class GradHist2d(_Histogram):
         offset = self._offsets.get(k)
         if offset is None:
             theta = self._params[k].detach().reshape(-1)
-            offset = self._offsets[k] = binning.bin_index(theta, ybins, ylo, yhi).mul_(xbins)
+            offset = binning.bin_index(theta, ybins, ylo, yhi).mul_(xbins)
+            self._offsets[k] = offset = offset.to(torch.int32)
         counts = self._counts[k]
         if counts is None:
             counts = self._counts[k] = torch.zeros(

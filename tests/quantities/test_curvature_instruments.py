@@ -408,3 +408,10 @@ def test_quantity_order_does_not_matter():
         outs.append(out)
     assert len(calls) == 2
     assert outs[0] == outs[1]
+
+
+def test_hess_trace_asks_for_the_captured_calls_only():
+    """HessTrace backpropagates through the captured calls itself: no per-sample statistic."""
+    request = HessTrace(curvature="diag_ggn_exact").request(0)
+    assert request and not request.statistics
+    assert TICDiag().request(0).sum_sq and TICTrace().request(0).sum_sq
