@@ -86,15 +86,9 @@ def _edges(bins: int, limits: tuple[float, float]) -> list[float]:
     return np.linspace(limits[0], limits[1], bins + 1).tolist()
 
 
-def _larger(a, b):
-    """The larger of two maxima (floats or 0-d tensors), None standing for none yet."""
-    if a is None:
-        return b
-    return (
-        max(a, b)
-        if isinstance(a, float) and isinstance(b, float)
-        else torch.maximum(torch.as_tensor(a), torch.as_tensor(b))
-    )
+def _larger(a: Tensor | None, b: Tensor) -> Tensor:
+    """The larger of two 0-d maxima, None standing for none yet."""
+    return b if a is None else torch.maximum(a, b.to(a.device))
 
 
 def _abs_max(t: Tensor) -> Tensor:
