@@ -14,6 +14,9 @@ The values come as a tensor [rows, ...] or, for a Linear layer's weight without 
 as the factors of g_n = delta_n x_n^T (:class:`avionics.persample.OuterProducts`): the kernels
 then form each product delta_{n,o} x_{n,i} (one rounding in the values' dtype, exactly as
 materialising it would) and bin it at once, so the N x O x I gradients are never written.
+A batch of values that spans at most three bins (most batches, when the range is wide next
+to the values' spread) is counted from the sums of its bins and of their squares, which
+vectorise, instead of with increments.
 
 Why kernels: a histogram of N * D elements costs one read of each at best. ``torch.histc`` and
 ``torch.bincount`` take 3-8 ns per element on a CPU core, several times the cost of writing
@@ -37,6 +40,8 @@ from avionics.persample import OuterProducts
 _BATCH = 1024
 # Largest bin count for which the 1d kernels count pairs of values (3 * bins^2 counters).
 PAIR_BINS = 128
+# A batch of values spanning fewer bins than this is counted from its moments (see _tally).
+FEW_BINS = 3
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
@@ -72,7 +77,28 @@ def _counters(bins):
 @_jit
 def _tally(index, m, counters, bins):
     """Count the bins index[:m] into the private counters."""
-    if bins <= PAIR_BINS:
+    if m == 0:
+        return
+    # one vectorised pass: extent and the first two moments of the bins
+    first, last, s1, s2 = index[0], index[0], 0, 0
+    for e in range(m):
+        b = np.int64(index[e])
+        first = min(first, index[e])
+        last = max(last, index[e])
+        s1 += b
+        s2 += b * b
+    if last - first < FEW_BINS:
+        # bins first + {0, 1, 2} with counts c0, c1, c2: d = b - first has
+        # sum d = c1 + 2 c2 and sum d^2 = c1 + 4 c2 (exact integers)
+        f = np.int64(first)
+        d1 = s1 - m * f
+        d2 = s2 - 2 * f * s1 + m * f * f
+        c2 = (d2 - d1) // 2
+        c1 = d1 - 2 * c2
+        for k, count in ((0, m - c1 - c2), (1, c1), (2, c2)):
+            if count:
+                _tally_bulk(counters, bins, first + k, count)
+    elif bins <= PAIR_BINS:
         even = m - m % 4
         for e in range(0, even, 4):
             counters[0, index[e] * bins + index[e + 1]] += 1
@@ -115,6 +141,12 @@ def _count_1d(values, lo, scale, bins, counts):
         _bin_values(values, start, stop, lo, scale, top, index)
         _tally(index, stop - start, counters, bins)
     _collect(counters, bins, counts)
+
+
+@_jit
+def _tally_bulk(counters, bins, b, count):
+    """Count ``count`` values of bin b."""
+    counters[2 if bins <= PAIR_BINS else 0, b] += count
 
 
 @_jit
