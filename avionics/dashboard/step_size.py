@@ -9,12 +9,10 @@ from avionics.dashboard.style import (
     BLUE,
     GREY,
     ORANGE,
-    STEP,
     empty_panel,
     quantity_panel,
-    series_plot,
-    step_limits,
     style_panel,
+    twin_panel,
 )
 from avionics.records.series import series
 
@@ -70,25 +68,13 @@ def distance_panel(fig, spec, run) -> Axes:
     """Distance from the start ||theta_t - theta_0|| (left axis) and update size
     ||theta_{t+1} - theta_t|| (right axis) vs step, global values, with their EMAs."""
     ax = fig.add_subplot(spec)
-    title, ylabel = "Distance and update size", r"distance $\|\theta_t - \theta_0\|$"
-    d_steps, distance = series(run, "Distance")
-    u_steps, update = series(run, "UpdateSize")
-    if len(d_steps) == 0 and len(u_steps) == 0:
-        return empty_panel(ax, title, STEP, ylabel, "Distance, UpdateSize")
-    style_panel(ax, title, STEP, ylabel)
-    if len(d_steps):
-        series_plot(ax, d_steps, distance, "distance", color=BLUE)
-    else:
-        ax.text(0.02, 0.9, "no Distance data", transform=ax.transAxes, color="grey")
-    right = ax.twinx()
-    right.set_ylabel("update size", color=ORANGE)
-    if len(u_steps):
-        series_plot(
-            right, u_steps, update, r"update size $\|\theta_{t+1} - \theta_t\|$", color=ORANGE
-        )
-    else:
-        right.text(0.98, 0.9, "no UpdateSize data", transform=ax.transAxes, ha="right")
-    ax.set_xlim(*step_limits(np.concatenate([d_steps, u_steps])))
+    right = twin_panel(
+        ax, run, "Distance and update size",
+        ("Distance", "distance", r"distance $\|\theta_t - \theta_0\|$", BLUE),
+        ("UpdateSize", r"update size $\|\theta_{t+1} - \theta_t\|$", "update size", ORANGE),
+    )  # fmt: skip
+    if right is None:
+        return ax
     shown = ("EMA", "non-finite")  # the points' colours match their EMA lines
     lines = [
         line

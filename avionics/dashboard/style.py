@@ -129,3 +129,29 @@ def quantity_panel(
     series_plot(ax, steps, values, label, yscale=yscale)
     ax.legend(loc="upper right", fontsize="small")
     return ax
+
+
+def twin_panel(ax: Axes, run, title: str, left: tuple, right: tuple) -> Axes | None:
+    """Two quantities vs step whose scales differ: ``left`` and ``right`` are (quantity, line
+    label, axis label, colour), drawn on ``ax`` and on a twin axis; a quantity without data says
+    so. Returns the twin axis, or None when neither has data (the panel then says what it
+    needs)."""
+    (l_name, l_label, l_axis, l_color), (r_name, r_label, r_axis, r_color) = left, right
+    l_steps, l_values = series(run, l_name)
+    r_steps, r_values = series(run, r_name)
+    if not len(l_steps) and not len(r_steps):
+        empty_panel(ax, title, STEP, l_axis, f"{l_name} or {r_name}")
+        return None
+    style_panel(ax, title, STEP, l_axis)
+    if len(l_steps):
+        series_plot(ax, l_steps, l_values, l_label, color=l_color)
+    else:
+        ax.text(0.02, 0.9, f"no {l_name} data", transform=ax.transAxes, color="grey")
+    twin = ax.twinx()
+    twin.set_ylabel(r_axis, color=r_color)
+    if len(r_steps):
+        series_plot(twin, r_steps, r_values, r_label, color=r_color)
+    else:
+        twin.text(0.98, 0.9, f"no {r_name} data", transform=ax.transAxes, ha="right")
+    ax.set_xlim(*step_limits(np.concatenate([l_steps, r_steps])))
+    return twin

@@ -104,6 +104,19 @@ def _expected(model, X, y, loss_fn, h):
     return traces, (m2 / (h + EPS)).sum(), m2.sum() / (h.sum() + EPS)
 
 
+def _check_against(out, model, X, y, loss_fn, h):
+    """HessTrace and TICDiag of ``out`` against brute force; returns the expected values."""
+    traces, tic_diag, tic_trace = _expected(model, X, y, loss_fn, h)
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64),
+        torch.stack(traces),
+        rtol=1e-7,
+        atol=1e-10,
+    )
+    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+    return traces, tic_diag, tic_trace
+
+
 @pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_exact"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_curvature_diagonals_match_brute_force(arch, curvature):
@@ -116,14 +129,7 @@ def test_curvature_diagonals_match_brute_force(arch, curvature):
     (out,) = _run(model, X, y, loss_fn, qs)
     dense = dense_hessian if curvature == "diag_h" else dense_ggn
     h = torch.diagonal(dense(model, X, y, loss_fn))
-    traces, tic_diag, tic_trace = _expected(model, X, y, loss_fn, h)
-    torch.testing.assert_close(
-        torch.tensor(out["HessTrace"], dtype=torch.float64),
-        torch.stack(traces),
-        rtol=1e-7,
-        atol=1e-10,
-    )
-    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+    *_, tic_trace = _check_against(out, model, X, y, loss_fn, h)
     assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
 
 
@@ -156,25 +162,7 @@ def test_piecewise_linear_hessian_diagonal_fast_path(build, reduction):
     model, X, y, loss_fn = build()
     (out,) = _run(model, X, y, loss_fn, [HessTrace(), TICDiag()], reduction=reduction)
     h = torch.diagonal(dense_hessian(model, X, y, loss_fn))
-    traces, tic_diag, _ = _expected(model, X, y, loss_fn, h)
-    torch.testing.assert_close(
-        torch.tensor(out["HessTrace"], dtype=torch.float64),
-        torch.stack(traces),
-        rtol=1e-7,
-        atol=1e-10,
-    )
-    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
-
-
-def _check_against(out, model, X, y, loss_fn, h):
-    traces, tic_diag, _ = _expected(model, X, y, loss_fn, h)
-    torch.testing.assert_close(
-        torch.tensor(out["HessTrace"], dtype=torch.float64),
-        torch.stack(traces),
-        rtol=1e-7,
-        atol=1e-10,
-    )
-    assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+    _check_against(out, model, X, y, loss_fn, h)
 
 
 def _ggn_exact():
@@ -383,8 +371,7 @@ def test_ggn_convolution_path_matches_brute_force(budget, monkeypatch):
     (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])
     assert set(used) == {model.c1, model.c2, model.c2r, model.c3}
     h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
-    _check_against(out, model, X, y, loss_fn, h)
-    *_, tic_trace = _expected(model, X, y, loss_fn, h)
+    *_, tic_trace = _check_against(out, model, X, y, loss_fn, h)
     assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
 
 
