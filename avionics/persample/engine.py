@@ -193,7 +193,9 @@ class PerSampleEngine:
                     per_param[k] = self._summed_statistics(k, pairs, rules, request, directions, n)
                 elif not pairs:
                     per_param[k] = _zero_statistics(self.params[k], request, directions, n, k)
-            self._last = (calls, contributions, rules)
+            # kept for mean_gradient_factors until release(): only the rules it can use, for
+            # the others hold scaled copies of the step's output gradients
+            self._last = (calls, contributions, {m: r for m, r in rules.items() if _factored(r)})
         return _collect(per_param, request)
 
     def mean_gradient_factors(self, calls, n: int, scale: float) -> list[tuple | None]:
@@ -212,7 +214,7 @@ class PerSampleEngine:
                 if len(pairs) != 1 or k in self._from_root:
                     continue
                 module, name = pairs[0]
-                rule = rules[module]
+                rule = rules.get(module)
                 if name != "weight" or not isinstance(rule, LinearRule):
                     continue
                 weight = rule._weight()
@@ -269,13 +271,15 @@ class PerSampleEngine:
                 actual = gradients[k]
                 if actual is None or k in self._from_root:
                     continue
-                ours = torch.zeros_like(actual)
-                for module, name in pairs:
-                    ours += totals[module][rules[module].names.index(name)]
+                ours = [totals[module][rules[module].names.index(name)] for module, name in pairs]
+                # one temporary of the parameter's size: the difference is taken in place
                 expected = actual * scale
                 rtol = CHECK_RTOL.get(actual.dtype, 1e-2)
                 atol = 100 * torch.finfo(actual.dtype).eps * total_norm
-                if (ours - expected).norm() > rtol * expected.norm() + atol:
+                bound = rtol * expected.norm() + atol
+                for total in ours:
+                    expected -= total
+                if expected.norm() > bound:
                     if self.model not in calls:
                         raise RuntimeError(
                             f"Parameter '{self._param_name(k)}' receives gradient from uses "
@@ -303,6 +307,12 @@ class PerSampleEngine:
         module, name = self.owners[k][0]
         prefix = self._names[module]
         return f"{prefix}.{name}" if prefix else name
+
+
+def _factored(rule: Rule) -> bool:
+    """Whether :meth:`PerSampleEngine.mean_gradient_factors` may factor the rule's weight: a
+    Linear layer without shared axes (T = 1)."""
+    return isinstance(rule, LinearRule) and rule.delta.shape[2] == 1
 
 
 def _kept(v):

@@ -113,6 +113,12 @@ def per_parameter_norms(tensors: list[Tensor]) -> Tensor:
     return torch.stack([t.norm() for t in tensors])
 
 
+def per_parameter_distances(a: list[Tensor], b: list[Tensor]) -> Tensor:
+    """[||a_1 - b_1||, ..., ||a_K - b_K||] as one tensor; one difference exists at a time (the
+    differences of all parameters at once would be a model-sized temporary)."""
+    return torch.stack([(x - y).norm() for x, y in zip(a, b, strict=True)])
+
+
 def require_plain_sgd(quantity: Quantity, optimizer) -> float:
     """The learning rate of a plain SGD optimizer; a clear error for anything else."""
     if not isinstance(optimizer, torch.optim.SGD):

@@ -14,6 +14,9 @@ The values come as a tensor [rows, ...] or, for a Linear layer's weight without 
 as the factors of g_n = delta_n x_n^T (:class:`avionics.persample.OuterProducts`): the kernels
 then form each product delta_{n,o} x_{n,i} (one rounding in the values' dtype, exactly as
 materialising it would) and bin it at once, so the N x O x I gradients are never written.
+In 1d they need not even be formed one by one: with a sample's longer factor sorted, the bin
+of a product is monotone along it, so the products with one element of the other factor fall
+into a few runs of equal bins whose ends a search finds (a handful of products each).
 A batch of values that spans at most three bins (most batches, when the range is wide next
 to the values' spread) is counted from the sums of its bins and of their squares, which
 vectorise, instead of with increments.
@@ -42,6 +45,9 @@ _BATCH = 1024
 PAIR_BINS = 128
 # A batch of values spanning fewer bins than this is counted from its moments (see _tally).
 FEW_BINS = 3
+# Products of one factor with a sorted row are counted one by one when they span more than
+# row length / _SEARCH_COST bins (a run's search costs about that many one-by-one bins).
+_SEARCH_COST = 64
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
@@ -150,17 +156,84 @@ def _tally_bulk(counters, bins, b, count):
 
 
 @_jit
-def _count_outer_1d(delta, x, lo, scale, bins, counts):
+def _product_bin(a, row, k, lo, scale, top):
+    return _bin((np.float64(a * row[k]) - lo) * scale, top)
+
+
+@_jit
+def _count_products(a, row, lo, scale, top, index, counters, bins):
+    """Count the bins of a * row[k] for every k, one by one."""
+    for start in range(0, row.size, _BATCH):
+        stop = min(row.size, start + _BATCH)
+        _bin_products(a, row, start, stop, lo, scale, top, index)
+        _tally(index, stop - start, counters, bins)
+
+
+@_jit
+def _count_sorted_products(a, row, start, stop, lo, scale, top, counts):
+    """Count the bins of a * row[k], start <= k < stop, for a finite a and a finite ``row``
+    sorted ascending by searching where the bin changes; False (nothing counted) if the
+    products span too many bins for that to pay.
+
+    b(a * row[k]) is monotone in k (rising for a > 0, falling for a < 0): rounding the product
+    and every step of b are monotone. So the bins form runs, and a run's end is found by
+    galloping then bisecting, about 2 log2(run length) evaluations per run."""
+    if start == stop:
+        return True
+    last = stop - 1
+    b, b_last = (
+        _product_bin(a, row, start, lo, scale, top),
+        _product_bin(a, row, last, lo, scale, top),
+    )
+    if abs(b_last - b) * _SEARCH_COST > stop - start:
+        return False
+    step = 1 if b_last >= b else -1
+    k = start
+    while b != b_last:
+        gap = 1  # the run ends in (k + gap / 2, k + gap]
+        while k + gap < last and (_product_bin(a, row, k + gap, lo, scale, top) - b) * step <= 0:
+            gap *= 2
+        left, right = k + gap // 2 + 1, min(k + gap, last)
+        while left < right:
+            mid = (left + right) >> 1
+            if (_product_bin(a, row, mid, lo, scale, top) - b) * step > 0:
+                right = mid
+            else:
+                left = mid + 1
+        counts[b] += left - k
+        k, b = left, _product_bin(a, row, left, lo, scale, top)
+    counts[b] += stop - k
+    return True
+
+
+@_jit
+def _count_outer_1d(rows, factors, lo, scale, bins, counts):
+    """Bins of rows[n, k] * factors[n, j] for ``rows`` sorted ascending along k: the products
+    with one factor are counted run by run (:func:`_count_sorted_products`) on the row's
+    negative, zero and positive parts (0 is often an edge: one run each then), or one by one
+    where they are not finite or span many bins."""
     top = np.float64(bins - 1)
     index = np.empty(_BATCH, np.int32)
     counters = _counters(bins)
-    for n in range(delta.shape[0]):
-        row = x[n]
-        for o in range(delta.shape[1]):
-            for start in range(0, row.size, _BATCH):
-                stop = min(row.size, start + _BATCH)
-                _bin_products(delta[n, o], row, start, stop, lo, scale, top, index)
-                _tally(index, stop - start, counters, bins)
+    for n in range(rows.shape[0]):
+        row = rows[n]
+        if row.size == 0:
+            continue
+        finite = np.isfinite(row[0]) and np.isfinite(row[-1])  # NaN sorts last
+        parts = (
+            0,
+            np.searchsorted(row, 0.0, "left"),
+            np.searchsorted(row, 0.0, "right"),
+            row.size,
+        )
+        for a in factors[n]:
+            if not (finite and np.isfinite(a)):
+                _count_products(a, row, lo, scale, top, index, counters, bins)
+                continue
+            for p in range(3):
+                start, stop = parts[p], parts[p + 1]
+                if not _count_sorted_products(a, row, start, stop, lo, scale, top, counts):
+                    _count_products(a, row[start:stop], lo, scale, top, index, counters, bins)
     _collect(counters, bins, counts)
 
 
@@ -225,7 +298,10 @@ def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor
     if chunk.device.type != "cpu":
         torch_count_1d(_tensor(chunk), lo, hi, counts)
     elif isinstance(chunk, OuterProducts):
-        _count_outer_1d(*_factors(chunk), lo, scale, bins, counts.numpy())
+        # the longer factor is sorted (numpy's vectorised sort), the other one iterated
+        delta, x = _factors(chunk)
+        rows, factors = (x, delta) if x.shape[1] >= delta.shape[1] else (delta, x)
+        _count_outer_1d(np.sort(rows, axis=1), factors, lo, scale, bins, counts.numpy())
     else:
         _count_1d(_as_numpy(chunk).reshape(-1), lo, scale, bins, counts.numpy())
 

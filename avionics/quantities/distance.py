@@ -1,6 +1,6 @@
 """Distance: ||theta_t - theta_0|| per parameter, theta_0 = the first tracked step's parameters."""
 
-from avionics.quantities.base import Quantity, StepData, per_parameter_norms
+from avionics.quantities.base import Quantity, StepData, per_parameter_distances
 
 
 class Distance(Quantity):
@@ -11,6 +11,4 @@ class Distance(Quantity):
     def compute(self, data: StepData):
         if self.initial is None:
             self.initial = [p.detach().clone() for p in data.params]
-        return {
-            data.step: per_parameter_norms([p - p0 for p, p0 in zip(data.params, self.initial)])
-        }
+        return {data.step: per_parameter_distances(data.params, self.initial)}

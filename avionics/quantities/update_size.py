@@ -4,7 +4,7 @@ Measured from the parameters, so it works for every optimizer: a copy of theta_t
 the tracked step t and compared at the next step the cockpit sees.
 """
 
-from avionics.quantities.base import Quantity, StepData, per_parameter_norms
+from avionics.quantities.base import Quantity, StepData, per_parameter_distances
 
 
 class UpdateSize(Quantity):
@@ -19,7 +19,7 @@ class UpdateSize(Quantity):
         values = {}
         if self.start is not None:
             step, before = self.start
-            values[step] = per_parameter_norms([p - b for p, b in zip(data.params, before)])
+            values[step] = per_parameter_distances(data.params, before)
             self.start = None
         if self.schedule(data.step):
             self.start = (data.step, [p.detach().clone() for p in data.params])

@@ -113,6 +113,43 @@ def test_convolutions_of_every_dimension_and_option():
         assert_exact(*classification(model, shape))
 
 
+class ConvTwice(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = nn.Conv2d(channels, channels, 3, padding=1, padding_mode="circular")
+
+    def forward(self, x):
+        return self.conv(torch.tanh(self.conv(x)))
+
+
+def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
+    """2d convolutions with stride 1, one group and enough input channels form G_n from
+    windows of their flat padded input (ConvRule.gradients), not by unfolding."""
+    from avionics.persample.rules import conv
+
+    used = []
+    by_windows = conv.ConvRule.gradients
+
+    def spy(self, start, stop):
+        g = by_windows(self, start, stop)
+        used.append(g is not None)
+        return g
+
+    monkeypatch.setattr(conv.ConvRule, "gradients", spy)
+    c = conv._WIDE_CHANNELS
+    for layers, shape in [
+        ([nn.Conv2d(c, 3, (3, 2), padding=(1, 2), dilation=(2, 1))], (c, 6, 5)),
+        ([nn.Conv2d(c, 3, 3, padding="same", padding_mode="reflect", bias=False)], (c, 5, 7)),
+        ([nn.Conv2d(c, 4, (1, 4), padding="valid"), nn.ReLU()], (c, 3, 6)),
+        ([ConvTwice(c)], (c, 4, 4)),
+    ]:
+        used.clear()
+        model = nn.Sequential(*layers, nn.Flatten(), nn.LazyLinear(3))
+        model(torch.randn(1, *shape))  # materialise the lazy layer
+        assert_exact(*classification(model, shape))
+        assert used and all(used)
+
+
 def test_normalisation_layers_and_batchnorm_in_eval():
     model = nn.Sequential(
         nn.Conv2d(2, 4, 3),

@@ -142,3 +142,23 @@ def test_batches_spanning_few_bins_count_exactly(bins, spread):
     # and against the bins computed elementwise by torch (the same formula, no shortcut)
     index = binning.bin_index(outer.materialize().reshape(-1), bins, -2.0, 2.0)
     np.testing.assert_array_equal(fused.numpy(), np.bincount(index.numpy(), minlength=bins))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(6, 40, 3000), (6, 3000, 40), (2, 1, 1), (3, 7, 7)])
+@pytest.mark.parametrize("limits", [(-2.0, 2.0), (-0.5, 0.3), (-1e-3, 1e-3)])
+def test_outer_products_counted_by_runs_of_a_sorted_factor(dtype, shape, limits):
+    """The 1d kernel sorts a sample's longer factor and searches where the bins of its
+    products change: runs of one bin, of a few and of many (counted one by one), factors of
+    either sign, zeros and ties must all count exactly as the products binned one by one."""
+    n, o, i = shape
+    gen = torch.Generator().manual_seed(11)
+    delta = (torch.randn(n, o, generator=gen, dtype=torch.float64) * 0.3).to(dtype)
+    x = torch.randn(n, i, generator=gen, dtype=torch.float64).relu().to(dtype)  # many zeros
+    x[0, : i // 2] = x[0, -1]  # ties
+    delta[-1, : o // 2] = 0.0
+    outer = OuterProducts(delta, x)
+    counts = torch.zeros(100, dtype=torch.int64)
+    binning.count_1d(outer, *limits, counts)
+    index = binning.bin_index(outer.materialize().reshape(-1), 100, *limits)
+    np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))

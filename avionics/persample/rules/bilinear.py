@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -43,9 +44,13 @@ class Bilinear:
         delta: Tensor,
         weight_shape,
         project: Callable[[Tensor], Tensor] | None = None,
+        gradients: Callable[[int, int], Tensor | None] | None = None,
     ):
         self.inputs, self.delta, self.weight_shape = inputs, delta, weight_shape
         self.project = project  # G_n . V for V shaped like the weight, if the layer has its own
+        # G_n of samples start..stop-1 shaped like the weight, where the layer has a faster way
+        # than unfolding (None otherwise)
+        self.gradients = gradients
         self.n, self.groups, self.t, self.o = delta.shape
         self.i = math.prod(weight_shape) // (self.groups * self.o)
         self._x: Tensor | None = None
@@ -59,6 +64,9 @@ class Bilinear:
         return self._x
 
     def materialize(self, start: int, stop: int) -> Tensor:
+        g = None if self.gradients is None else self.gradients(start, stop)
+        if g is not None:
+            return g
         x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
         g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], x)
         return g.reshape(stop - start, *self.weight_shape)
@@ -145,12 +153,17 @@ class Bilinear:
         return (mapped * self.x).sum((1, 2, 3))
 
     def total(self) -> Tensor:
-        """sum_n G_n, over chunks of samples (each unfolded only while it is used)."""
-        total = 0
-        for start in range(0, self.n, self._step()):
-            stop = min(self.n, start + self._step())
+        """sum_n G_n, over chunks of samples (each unfolded only while it is used). No G_n is
+        materialised: a chunk holds its inputs and output gradients (and their copies in the
+        layout of the contraction), not its gradients."""
+        total = None
+        per_sample = 2 * self.groups * self.t * (self.i + self.o)
+        step = chunk_size(self.n, per_sample, self.delta.element_size())
+        for start in range(0, self.n, step):
+            stop = min(self.n, start + step)
             x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
-            total = total + torch.einsum("ngto,ngti->goi", self.delta[start:stop], x)
+            part = torch.einsum("ngto,ngti->goi", self.delta[start:stop], x)
+            total = part if total is None else total.add_(part)
         return total.reshape(self.weight_shape)
 
     def _step(self) -> int:
@@ -179,13 +192,21 @@ class BilinearRule(Rule):
 
     def _weight(self) -> Bilinear:
         if getattr(self, "_bilinear", None) is None:
+            # the Bilinear calls back into the rule through weak references: a cycle rule ->
+            # Bilinear -> rule would keep the step's captured tensors alive after the step,
+            # until the garbage collector happens to run
+            project = None if self.projection is None else _weak(self.projection)
+            gradients = None if self.gradients is None else _weak(self.gradients)
             self._bilinear = Bilinear(
-                self.inputs, self.delta, self.module.weight.shape, self.projection
+                _weak(self.inputs), self.delta, self.module.weight.shape, project, gradients
             )
         return self._bilinear
 
     # G_n . V computed by the layer itself (no unfolding), or None for the generic einsum
     projection: Callable[[Tensor], Tensor] | None = None
+    # G_n of samples start..stop-1 by the layer itself where it has a faster way than
+    # unfolding (returning None where it has not), or None
+    gradients: Callable[[int, int], Tensor | None] | None = None
 
     def _bias(self) -> Tensor:
         bias = self.delta.sum(2).flatten(1)
@@ -214,3 +235,9 @@ class BilinearRule(Rule):
             self._weight().total() if name == "weight" else self._bias().sum(0)
             for name in self.names
         ]
+
+
+def _weak(method: Callable) -> Callable:
+    """A bound method that does not keep its object alive."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)

@@ -19,6 +19,9 @@ from avionics.persample.rules.base import batch_first, concatenate, output_gradi
 from avionics.persample.rules.bilinear import BilinearRule
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+# Fewest input channels for which per-sample gradients by windows beat unfolding (measured on
+# one CPU core: 2x faster from 16 channels on, 3x slower with 1-3).
+_WIDE_CHANNELS = 8
 
 
 def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
@@ -62,6 +65,47 @@ class ConvRule(BilinearRule):
             p = torch.linalg.vecdot(mapped.flatten(1), d.flatten(1))
             result = p if result is None else result + p
         return result * self.scale
+
+    def gradients(self, start: int, stop: int) -> Tensor | None:
+        """G_n of samples start..stop-1 shaped like the weight, without unfolding, for a 2d
+        convolution with stride 1, one group and at least _WIDE_CHANNELS input channels (None
+        otherwise, for the unfolding path).
+
+        With the padded input flattened to rows of its full width W_p, output location (h, w)
+        reads, at kernel offset (i, j), element i d_h W_p + j d_w + (h W_p + w) of the flat
+        input (d: dilation). So if delta is also laid out with row width W_p (zeros in the
+        columns w >= W_out), kernel offset (i, j) of G_n is one matrix product,
+
+            G_n[:, :, i, j] = delta^wide_n  x^flat_n[:, off_ij : off_ij + H_out W_p]^T,
+
+        of a contiguous window of the input: k_h k_w batched products and no copy of the
+        input per offset (unfolding copies it k_h k_w times, slowly)."""
+        m = self.module
+        if not (
+            m.weight.dim() == 4
+            and m.groups == 1
+            and tuple(m.stride) == (1, 1)
+            and m.in_channels >= _WIDE_CHANNELS
+        ):
+            return None
+        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
+        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        total = None
+        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+            x = F.pad(x[start:stop], m._reversed_padding_repeated_twice, mode=mode)
+            width = x.shape[-1]
+            length = d.shape[-2] * width
+            # windows of the last kernel column run (kw - 1) dw past the end: zeros there
+            flat = F.pad(x.flatten(2), (0, (kw - 1) * dw))
+            wide = F.pad(d[start:stop], (0, width - d.shape[-1])).flatten(2)  # [n, O, length]
+            g = torch.empty(kh, kw, *wide.shape[:2], flat.shape[1], dtype=d.dtype, device=d.device)
+            for i in range(kh):
+                for j in range(kw):
+                    window = flat[:, :, i * dh * width + j * dw :][:, :, :length]
+                    torch.bmm(wide, window.transpose(1, 2), out=g[i, j])
+            g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
+            total = g.contiguous() if total is None else total.add_(g)
+        return total.mul_(self.scale)
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
