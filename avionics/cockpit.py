@@ -231,10 +231,14 @@ class Cockpit:
             grads=grads,
             mean_grad=mean_grad,
         )
-        # For curvature quantities: p.grad with its graph (create_graph=True), the model, and
-        # (below) the captured calls and the engine, to backpropagate other output gradients.
+        # For curvature quantities: p.grad with its graph (create_graph=True), the model, the
+        # step's active quantities (to share work), and (below) the captured calls and the
+        # engine, to backpropagate other output gradients.
         data.extra.update(
-            graph_grads=[p.grad for p in self.params], tracked=self.params, model=self.model
+            graph_grads=[p.grad for p in self.params],
+            tracked=self.params,
+            model=self.model,
+            quantities=active,
         )
         if request:
             calls = capture.calls_by_module()

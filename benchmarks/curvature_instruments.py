@@ -13,7 +13,8 @@ their median. A measurement runs ``--steps`` tracked steps after ``WARMUP`` unti
 early after ``--seconds`` (at least ``MIN_STEPS``): the table says how many steps it measured.
 
 Configurations (the same for both tools): HessMaxEV; HessTrace + TICDiag with the exact GGN
-diagonal; with the Monte-Carlo GGN diagonal (one sample); the "full" preset. The reference is
+diagonal; with the Monte-Carlo GGN diagonal (one sample); HessTrace alone with each (it needs
+only the diagonal's sums); the "full" preset. The reference is
 cockpit-for-pytorch (``import cockpit``) on a BackPACK-extended model and loss. Tracked steps
 of the GPT run PyTorch's math attention kernel (curvature differentiates the gradient again;
 the fused kernels have no second derivative); its plain steps use the default kernel.
@@ -49,9 +50,18 @@ OURS = {
         TICDiag(curvature="diag_ggn_exact"),
     ],
     "GGN MC": lambda: [HessTrace(curvature="diag_ggn_mc"), TICDiag(curvature="diag_ggn_mc")],
+    "HessTrace exact": lambda: [HessTrace(curvature="diag_ggn_exact")],
+    "HessTrace MC": lambda: [HessTrace(curvature="diag_ggn_mc")],
     "full": lambda: configuration("full"),
 }
-TARGETS = {"HessMaxEV": 4.0, "GGN exact": 3.0, "GGN MC": 1.5, "full": 6.0}
+TARGETS = {
+    "HessMaxEV": 4.0,
+    "GGN exact": 3.0,
+    "GGN MC": 1.5,
+    "HessTrace exact": 3.0,
+    "HessTrace MC": 1.5,
+    "full": 6.0,
+}
 NOTES = (
     "Where the time goes (ours, CPU, measured on mlp and 3c3d in multiples of a plain step). "
     "Every instrument here needs the create_graph backward (1.1-1.45x with an empty quantity; "
@@ -70,7 +80,10 @@ NOTES = (
     "multiply-adds. On the MLP, the step without any diagonal is 2.2x (cockpit, create_graph, "
     "TICDiag's sum_n g_n^2), the 9 column backwards 1.5x, the column sums 0.4x; on 2c2d the "
     "same accounting gives a floor of 7.1x. GGN MC: one backward and one sum of squares on top "
-    "of that 1.9-2.6x base. 'full' on the CNNs adds GradHist1d/GradHist2d (histograms of all "
+    "of that 1.9-2.6x base. HessTrace alone needs only the sums of the diagonal per parameter, "
+    "which Linear layers have from per-sample squared norms (||delta||^2 ||x||^2, no product "
+    "the size of the layer): the column backwards and create_graph remain. 'full' on the CNNs "
+    "adds GradHist1d/GradHist2d (histograms of all "
     "N x D per-sample gradient elements, whose convolution gradients must be formed) and "
     "HessMaxEV to the exact GGN diagonal that HessTrace/TICDiag use by default (diag_h equals "
     "it for these piecewise-linear networks). logreg's plain step is 0.4 ms: there, Python "
@@ -101,6 +114,8 @@ def _reference_quantities(config: str):
             q.HessTrace(every, curvature="diag_ggn_mc"),
             q.TICDiag(every, curvature="diag_ggn_mc"),
         ],
+        "HessTrace exact": lambda: [q.HessTrace(every, curvature="diag_ggn_exact")],
+        "HessTrace MC": lambda: [q.HessTrace(every, curvature="diag_ggn_mc")],
         "full": lambda: reference_configuration("full", every),
     }[config]()
 
@@ -229,8 +244,9 @@ def section(rows, configs, args, device) -> str:
         + table(["problem", "tool", "plain step", *configs], rows)
         + "\n\nTargets (ours): "
         + ", ".join(f"{c} <= {TARGETS[c]:g}x" for c in configs)
-        + " ('GGN exact'/'GGN MC' = HessTrace + TICDiag with that curvature; 'full' on the "
-        "CNNs); HessMaxEV at least 10x faster than the reference.\n\n" + NOTES
+        + " ('GGN exact'/'GGN MC' = HessTrace + TICDiag with that curvature, 'HessTrace "
+        "exact'/'HessTrace MC' = HessTrace alone; 'full' on the CNNs); HessMaxEV at least 10x "
+        "faster than the reference.\n\n" + NOTES
     )
 
 
@@ -247,7 +263,7 @@ def main():
     parser.add_argument("--tools", default="ours,reference")
     parser.add_argument(
         "--reference-configs",
-        default="HessMaxEV,GGN exact,GGN MC",
+        default="HessMaxEV,GGN exact,GGN MC,HessTrace exact,HessTrace MC",
         help="opt-in 'full': minutes per step and many GB on the CNNs",
     )
     parser.add_argument("--quick", action="store_true", help="--steps 5 --seconds 5")

@@ -171,8 +171,10 @@ def ggn_diagonal(
     params: list[Tensor],
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
+    traces: bool = False,
 ) -> list[Tensor]:
-    """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss.
+    """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss, or with
+    ``traces`` only its sum per parameter, sum_d G_dd (0-dim tensors).
 
     With a square root S_n of the loss Hessian H_n w.r.t. sample n's output (S_n S_n^T = H_n,
     see :func:`loss_hessian_root`), G_dd = (1/N) sum_n sum_j (J_n^T S_n e_j)_d^2 (exact: every
@@ -180,7 +182,9 @@ def ggn_diagonal(
     (Monte Carlo: z ~ N(0, I) from ``generator``, K = ``mc_samples``). Each column S e_j (or
     S z) is backpropagated from the model output to every captured module output, one backward
     per column; the squared per-sample gradients are summed over columns by
-    :class:`_ColumnSums`.
+    :class:`_ColumnSums`. The traces need only the per-sample squared norms ||J_n^T S_n e_j||^2,
+    which Linear layers without shared axes have in closed form, ||delta||^2 ||x||^2 (N (I + O)
+    per column instead of N I O in all).
     """
     root = _root_call(model, calls, len(individual_losses))
     n = len(individual_losses)
@@ -202,7 +206,7 @@ def ggn_diagonal(
     else:
         z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
         columns = (root_of(zk) for zk in z.to(u.device))
-    sums = _ColumnSums(engine, calls, params, n)
+    sums = _ColumnSums(engine, calls, params, n, traces)
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
     # the model output is often a captured output too (a final Linear): its column is given
     inner = [i for i, key in enumerate(sums.keys) if key != _key(root.nodes[0])]
@@ -445,10 +449,14 @@ class _ColumnSums:
     * Every other parameter (shared axes of a Linear, tied or adopted weights, other layers)
       goes through the per-sample engine's rules once per column, restricted to those
       parameters.
+
+    With ``traces``, only sum_d of each parameter's sums is kept: for a Linear layer
+    sum_n (sum_j ||delta_{j,n}||^2) ||x_n||^2, for the engine's rules their per-sample squared
+    norms (closed forms) instead of squares; a convolution's sums are formed and summed.
     """
 
-    def __init__(self, engine, calls: dict, params: list[Tensor], n: int):
-        self.calls, self.params, self.n = calls, params, n
+    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool = False):
+        self.calls, self.params, self.n, self.traces = calls, params, n, traces
         keyed: dict = {}
         for module_calls in calls.values():
             for call in module_calls:
@@ -500,12 +508,15 @@ class _ColumnSums:
                 copy.grad_outputs = outs
                 replaced.append(copy)
             column_calls[module] = replaced
-        stats = self.engine.statistics(column_calls, Request(sum_sq=True), {}, self.n, 1.0)
-        for k, s in zip(self.rest, stats.sum_sq, strict=True):
+        request = Request(sq_norms=True) if self.traces else Request(sum_sq=True)
+        stats = self.engine.statistics(column_calls, request, {}, self.n, 1.0)
+        for k, s in zip(self.rest, stats.sq_norms if self.traces else stats.sum_sq, strict=True):
+            s = s.sum() if self.traces else s
             self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
 
     def result(self, scale: float = 1.0) -> list[Tensor]:
-        """``scale`` times the sums, one tensor per parameter (owned by the caller)."""
+        """``scale`` times the sums (or their traces), one tensor per parameter (owned by the
+        caller)."""
         with torch.no_grad():
             for call, names, sq in self.linear.values():
                 if sq is None:
@@ -513,15 +524,20 @@ class _ColumnSums:
                 sq.mul_(scale)
                 x = call.args[0].movedim(call.batch_axis, 0).reshape(self.n, -1)
                 for k, name in names.items():
-                    self.totals[k] = torch.mm(sq.t(), x * x) if name == "weight" else sq.sum(0)
+                    if name == "bias":
+                        self.totals[k] = sq.sum() if self.traces else sq.sum(0)
+                    elif self.traces:  # sum_n ||sq_n||_1 ||x_n||^2
+                        self.totals[k] = torch.dot(sq.sum(1), x.square().sum(1))
+                    else:
+                        self.totals[k] = torch.mm(sq.t(), x * x)
             for sums in self.conv.values():
                 for k, total in sums.result(scale).items():
-                    self.totals[k] = total
+                    self.totals[k] = total.sum() if self.traces else total
             for k in self.rest:
                 if self.totals[k] is not None:
                     self.totals[k].mul_(scale)
         return [
-            t if t is not None else torch.zeros_like(p)
+            t if t is not None else (p.new_zeros(()) if self.traces else torch.zeros_like(p))
             for t, p in zip(self.totals, self.params, strict=True)
         ]
 

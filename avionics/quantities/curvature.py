@@ -18,6 +18,10 @@ With h the curvature diagonal of the mean loss (selectable, see
     TICDiag   = sum_d m2_d / (h_d + eps),                eps = 1e-7
     TICTrace  = (sum_d m2_d) / (sum_d h_d + eps)
 
+HessTrace and TICTrace read only the sums of h per parameter. When no TICDiag with the same
+settings runs at the step, only those sums are computed: for the GGN diagonals they come from
+per-sample squared norms, which Linear layers have in closed form (much cheaper than the
+diagonal itself, see :func:`~avionics.persample.second_order.ggn_diagonal`).
 
 None of them touches the global random number generator.
 """
@@ -94,24 +98,41 @@ class _Curvature(Quantity):
     def describe(self) -> str:
         return f"{super().describe()[:-1]}, curvature={self.curvature!r})"
 
-    def _cached(self, data: StepData) -> dict:
-        """This step's {"h": the diagonal, "sums": per-parameter sums of h}, shared by the
-        curvature quantities with the same settings."""
-        key = ("curvature_diagonal", self.curvature, self.mc_samples, self.seed)
-        if key not in data.extra:
-            h = self._diagonal(data)
-            data.extra[key] = {"h": h, "sums": torch.stack([d.sum() for d in h])}
-        return data.extra[key]
+    # Whether the quantity reads the diagonal itself, not only its sums per parameter
+    needs_diagonal = False
+
+    def _key(self) -> tuple:
+        return ("curvature_diagonal", self.curvature, self.mc_samples, self.seed)
+
+    def _cached(self, data: StepData, diagonal: bool) -> dict:
+        """This step's {"sums": per-parameter sums of h} and, where a curvature quantity with
+        the same settings reads it (``data.extra["quantities"]``, the step's active ones, or
+        ``diagonal``), {"h": the diagonal}: computed once per step and shared."""
+        key = self._key()
+        entry = data.extra.get(key)
+        if entry is None or (diagonal and "h" not in entry):
+            diagonal = diagonal or any(
+                isinstance(q, _Curvature) and q.needs_diagonal and q._key() == key
+                for q in data.extra.get("quantities", ())
+            )
+            if diagonal:
+                h = self._diagonal(data)
+                entry = {"h": h, "sums": torch.stack([d.sum() for d in h])}
+            else:  # the GGN's sums alone are cheaper (squared norms instead of squares)
+                entry = {"sums": torch.stack(self._diagonal(data, traces=True))}
+            data.extra[key] = entry
+        return entry
 
     def diagonal(self, data: StepData) -> list[Tensor]:
         """The curvature diagonal h of the mean loss, one tensor per parameter."""
-        return self._cached(data)["h"]
+        return self._cached(data, diagonal=True)["h"]
 
     def diagonal_sums(self, data: StepData) -> Tensor:
         """[sum_d h_d per parameter]."""
-        return self._cached(data)["sums"]
+        return self._cached(data, diagonal=False)["sums"]
 
-    def _diagonal(self, data: StepData) -> list[Tensor]:
+    def _diagonal(self, data: StepData, traces: bool = False) -> list[Tensor]:
+        """h, one tensor per parameter; with ``traces``, only sum_d h_d (0-dim tensors)."""
         model = data.extra["model"]
         losses = data.info["individual_losses"]
         variant = self.curvature
@@ -129,7 +150,8 @@ class _Curvature(Quantity):
                     )
                 scale = 1.0 / data.batch_size if data.reduction == "sum" else 1.0
                 grads = _graph_grads(self, data)
-                return hessian_diagonal_by_probes(grads, data.extra["tracked"], scale)
+                h = hessian_diagonal_by_probes(grads, data.extra["tracked"], scale)
+                return [d.sum() for d in h] if traces else h
             variant = "diag_ggn_exact"  # equal for piecewise-linear networks
         if losses.grad_fn is None:
             raise RuntimeError(
@@ -147,6 +169,7 @@ class _Curvature(Quantity):
             data.params,
             mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
             generator=generator,
+            traces=traces,
         )
 
 
@@ -163,6 +186,8 @@ class HessTrace(_Curvature):
 class TICDiag(_Curvature):
     """Takeuchi information criterion with the diagonal approximation:
     sum_d (mean_n g_{n,d}^2) / (h_d + eps)."""
+
+    needs_diagonal = True
 
     def compute(self, data: StepData):
         h, s = self.diagonal(data), data.statistics.sum_sq

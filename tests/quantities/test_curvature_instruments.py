@@ -133,6 +133,35 @@ def test_curvature_diagonals_match_brute_force(arch, curvature):
     assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
 
 
+@pytest.mark.parametrize("curvature", ["diag_h", "diag_ggn_exact"])
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_traces_alone_match_brute_force(arch, curvature, monkeypatch):
+    """Without TICDiag, HessTrace and TICTrace need only the sums of h per parameter, which
+    the GGN path forms from per-sample squared norms (ggn_diagonal(traces=True))."""
+    model, X, y, loss_fn = ARCHITECTURES[arch]()
+    kinds = []
+    diagonal = second_order.ggn_diagonal
+
+    def spy(*args, **kwargs):
+        kinds.append(kwargs.get("traces", False))
+        return diagonal(*args, **kwargs)
+
+    monkeypatch.setattr("avionics.quantities.curvature.ggn_diagonal", spy)
+    qs = [HessTrace(curvature=curvature), TICTrace(curvature=curvature)]
+    (out,) = _run(model, X, y, loss_fn, qs)
+    assert all(kinds) and len(kinds) <= 1  # once per step, traces only (none: probes)
+    dense = dense_hessian if curvature == "diag_h" else dense_ggn
+    h = torch.diagonal(dense(model, X, y, loss_fn))
+    traces, _, tic_trace = _expected(model, X, y, loss_fn, h)
+    torch.testing.assert_close(
+        torch.tensor(out["HessTrace"], dtype=torch.float64),
+        torch.stack(traces),
+        rtol=1e-7,
+        atol=1e-10,
+    )
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
+
+
 def relu_mlp(n=6, seed=1):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(5, 6), nn.ReLU(), nn.Linear(6, 4), nn.ReLU(), nn.Linear(4, 3))
