@@ -223,7 +223,7 @@ def _cell(problem, tool, config, args, device, plain_times) -> str:
         ratio, plain, n, cockpit = measure(problem, tool, config, args.steps, args.seconds, device)
     except Exception as error:  # noqa: BLE001 (a tool that cannot run a problem: say why)
         reason = str(error).strip().split("\n")[0].split(". ")[0]
-        return f"n/a ({type(error).__name__}: {reason[:90]})"
+        return f"n/a ({type(error).__name__}: {reason[:200]})"
     plain_times.append(plain)
     return f"{ratio:.1f}x ({n} steps{_products(cockpit) if tool == 'ours' else ''})"
 
