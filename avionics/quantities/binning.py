@@ -48,6 +48,9 @@ FEW_BINS = 3
 # Products of one factor with a sorted row are counted one by one when they span more than
 # row length / _SEARCH_COST bins (a run's search costs about that many one-by-one bins).
 _SEARCH_COST = 64
+# Sorting a row costs about as much as counting its products with this many factors one by
+# one (numpy's sort: about 4 ns per element; the one-by-one kernel: about 1 ns per product).
+_SORT_ROWS = 4
 
 _jit = numba.njit(cache=True, nogil=True, boundscheck=False)
 
@@ -207,16 +210,22 @@ def _count_sorted_products(a, row, start, stop, lo, scale, top, counts):
 
 
 @_jit
-def _count_outer_1d(rows, factors, lo, scale, bins, counts):
-    """Bins of rows[n, k] * factors[n, j] for ``rows`` sorted ascending along k: the products
-    with one factor are counted run by run (:func:`_count_sorted_products`) on the row's
-    negative, zero and positive parts (0 is often an edge: one run each then), or one by one
-    where they are not finite or span many bins."""
+def _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counts):
+    """Bins of rows[n, k] * factors[n, j]. With ``search``, ``sorted_rows`` holds the rows
+    sorted ascending, and the products with one factor are counted run by run
+    (:func:`_count_sorted_products`) on the row's negative, zero and positive parts (0 is
+    often an edge: one run each then); otherwise, and where the products are not finite or
+    span many bins, one by one (from the rows in their own order: runs of equal bins would
+    serialise the increments)."""
     top = np.float64(bins - 1)
     index = np.empty(_BATCH, np.int32)
     counters = _counters(bins)
     for n in range(rows.shape[0]):
-        row = rows[n]
+        if not search:
+            for a in factors[n]:
+                _count_products(a, rows[n], lo, scale, top, index, counters, bins)
+            continue
+        row = sorted_rows[n]
         if row.size == 0:
             continue
         finite = np.isfinite(row[0]) and np.isfinite(row[-1])  # NaN sorts last
@@ -227,8 +236,13 @@ def _count_outer_1d(rows, factors, lo, scale, bins, counts):
             row.size,
         )
         for a in factors[n]:
-            if not (finite and np.isfinite(a)):
-                _count_products(a, row, lo, scale, top, index, counters, bins)
+            wide = not (finite and np.isfinite(a))
+            if not wide:  # the products' span over the whole row decides first
+                first = _product_bin(a, row, 0, lo, scale, top)
+                last = _product_bin(a, row, row.size - 1, lo, scale, top)
+                wide = abs(last - first) * _SEARCH_COST > row.size
+            if wide:
+                _count_products(a, rows[n], lo, scale, top, index, counters, bins)
                 continue
             for p in range(3):
                 start, stop = parts[p], parts[p + 1]
@@ -291,6 +305,17 @@ def _factors(chunk: OuterProducts) -> tuple[np.ndarray, np.ndarray]:
     return _as_numpy(chunk.delta.to(dtype)), _as_numpy(chunk.x.to(dtype))
 
 
+def _search_pays(rows: np.ndarray, factors: np.ndarray, scale: float) -> bool:
+    """Whether sorting the rows pays: at least _SORT_ROWS products per sample (a factor times
+    a row) span few enough bins for the search, by the estimate |a| (max - min of the row)."""
+    if rows.shape[1] == 0:
+        return False
+    with np.errstate(invalid="ignore"):  # inf - inf, 0 * inf: NaN, not narrow
+        spread = (rows.max(1) - rows.min(1)).astype(np.float64) * (scale * _SEARCH_COST)
+        narrow = np.abs(factors) * spread[:, None] <= rows.shape[1]
+    return int(narrow.sum()) >= _SORT_ROWS * rows.shape[0]
+
+
 def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor) -> None:
     """Add the bin counts of all per-sample gradient elements in ``chunk`` to ``counts``
     (int64 [bins], on the chunk's device)."""
@@ -301,7 +326,9 @@ def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor
         # the longer factor is sorted (numpy's vectorised sort), the other one iterated
         delta, x = _factors(chunk)
         rows, factors = (x, delta) if x.shape[1] >= delta.shape[1] else (delta, x)
-        _count_outer_1d(np.sort(rows, axis=1), factors, lo, scale, bins, counts.numpy())
+        search = _search_pays(rows, factors, scale)
+        sorted_rows = np.sort(rows, axis=1) if search else rows
+        _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counts.numpy())
     else:
         _count_1d(_as_numpy(chunk).reshape(-1), lo, scale, bins, counts.numpy())
 

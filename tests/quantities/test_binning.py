@@ -157,8 +157,45 @@ def test_outer_products_counted_by_runs_of_a_sorted_factor(dtype, shape, limits)
     x = torch.randn(n, i, generator=gen, dtype=torch.float64).relu().to(dtype)  # many zeros
     x[0, : i // 2] = x[0, -1]  # ties
     delta[-1, : o // 2] = 0.0
+    for special in (None, float("nan"), float("inf")):  # in one sample's factors
+        if special is not None:
+            x[1, 0] = delta[1, 0] = special
+        outer = OuterProducts(delta, x)
+        counts = torch.zeros(100, dtype=torch.int64)
+        binning.count_1d(outer, *limits, counts)
+        index = binning.bin_index(outer.materialize().reshape(-1), 100, *limits)
+        np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))
+
+
+def test_runs_are_searched_only_where_sorting_pays(monkeypatch):
+    """Sorting a sample's factor pays when enough of its products span few bins."""
+    gen = torch.Generator().manual_seed(3)
+    delta, x = torch.randn(8, 50, generator=gen), torch.randn(8, 400, generator=gen)
+    searched = []
+    kernel = binning._count_outer_1d
+    monkeypatch.setattr(
+        binning, "_count_outer_1d", lambda *args: searched.append(args[3]) or kernel(*args)
+    )
+    for limits in [(-100.0, 100.0), (-1e-3, 1e-3)]:  # products within a few bins / across all
+        counts = torch.zeros(100, dtype=torch.int64)
+        binning.count_1d(OuterProducts(delta * 1e-3, x), *limits, counts)
+        index = binning.bin_index(
+            (delta[:, :, None] * 1e-3 * x[:, None]).reshape(-1), 100, *limits
+        )
+        np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))
+    assert searched == [True, False]
+
+
+@pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
+def test_runs_are_not_searched_in_rows_with_nan_or_inf(special):
+    """NaN sorts last and counts in the last bin: with negative factors the bins along such a
+    sorted row are not monotone, so that sample is counted one by one."""
+    gen = torch.Generator().manual_seed(4)
+    delta = -0.01 - torch.rand(4, 30, generator=gen) * 0.01  # products within a few bins
+    x = torch.randn(4, 20000, generator=gen)  # halves longer than 64 x the bins they span
+    x[1, 7] = special
     outer = OuterProducts(delta, x)
     counts = torch.zeros(100, dtype=torch.int64)
-    binning.count_1d(outer, *limits, counts)
-    index = binning.bin_index(outer.materialize().reshape(-1), 100, *limits)
+    binning.count_1d(outer, -2.0, 2.0, counts)
+    index = binning.bin_index(outer.materialize().reshape(-1), 100, -2.0, 2.0)
     np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))
