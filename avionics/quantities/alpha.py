@@ -129,7 +129,7 @@ class _Start:
                 )
             if data.per_sample is None:
                 raise RuntimeError(f"Step {data.step}: Alpha needs the step's per-sample data.")
-            start.params = [p.clone() for p in data.params]
+            start.params = data.params_copy()
             start.per_sample = data.per_sample
         return start
 

@@ -49,10 +49,22 @@ class StepData:
     statistics: Statistics | None = None
     extra: dict = field(default_factory=dict)
     per_sample: Callable[..., Statistics] | None = None
+    _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def optimizer(self):
         return self.info.get("optimizer")
+
+    def params_copy(self) -> list[Tensor]:
+        """A copy of theta_t (``params`` before the update), made once per step and shared.
+
+        Parameters' values, UpdateSize's theta_t, Distance's theta_0 and Alpha's theta_t are
+        the same tensors at the same step: one copy serves them all, so a step keeps one
+        model-sized copy, not one per quantity. Nobody may modify it in place.
+        """
+        if self._params_copy is None:
+            self._params_copy = [p.detach().clone() for p in self.params]
+        return self._params_copy
 
 
 class Quantity:

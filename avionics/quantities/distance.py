@@ -10,5 +10,5 @@ class Distance(Quantity):
 
     def compute(self, data: StepData):
         if self.initial is None:
-            self.initial = [p.detach().clone() for p in data.params]
+            self.initial = data.params_copy()
         return {data.step: per_parameter_distances(data.params, self.initial)}

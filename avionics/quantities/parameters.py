@@ -5,4 +5,4 @@ from avionics.quantities.base import Quantity, StepData
 
 class Parameters(Quantity):
     def compute(self, data: StepData):
-        return {data.step: [p.detach().clone() for p in data.params]}
+        return {data.step: data.params_copy()}

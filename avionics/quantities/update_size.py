@@ -22,5 +22,5 @@ class UpdateSize(Quantity):
             values[step] = per_parameter_distances(data.params, before)
             self.start = None
         if self.schedule(data.step):
-            self.start = (data.step, [p.detach().clone() for p in data.params])
+            self.start = (data.step, data.params_copy())
         return values

@@ -22,6 +22,8 @@ from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
 
 
 def _flat(tensors) -> torch.Tensor:
+    """The tensors flattened into one new tensor (a copy even of a single tensor: callers
+    overwrite it)."""
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
@@ -32,10 +34,13 @@ class _SecondMoment(Quantity):
         return Request(sum_sq=True)
 
     def moments(self, data: StepData):
-        """(g_d^2, biased variance m2_d - g_d^2), flattened over all parameters."""
-        g_sq = _flat(data.mean_grad).pow(2)
-        m2 = _flat(data.statistics.sum_sq) / data.batch_size
-        return g_sq, m2 - g_sq
+        """(g_d^2, biased variance m2_d - g_d^2), flattened over all parameters: two new
+        model-sized tensors, each owned by the caller, which may overwrite them."""
+        # in place on the flattened copies: a model-sized temporary per operation would
+        # raise the step's peak memory by several copies of the model
+        g_sq = _flat(data.mean_grad).square_()
+        variance = _flat(data.statistics.sum_sq).div_(data.batch_size).sub_(g_sq)
+        return g_sq, variance
 
 
 class MeanGSNR(_SecondMoment):
@@ -43,7 +48,7 @@ class MeanGSNR(_SecondMoment):
 
     def compute(self, data: StepData):
         g_sq, variance = self.moments(data)
-        return {data.step: (g_sq / (variance + self.eps)).mean()}
+        return {data.step: g_sq.div_(variance.add_(self.eps)).mean()}
 
 
 class CABS(_SecondMoment):
@@ -63,5 +68,8 @@ class EarlyStopping(_SecondMoment):
         require_plain_sgd(self, data.optimizer)
         n = data.batch_size
         g_sq, variance = self.moments(data)
-        unbiased = variance * n / (n - 1) if n > 1 else torch.full_like(variance, float("nan"))
-        return {data.step: 1 - n * (g_sq / (unbiased + self.eps)).mean()}
+        if n > 1:
+            unbiased = variance.mul_(n).div_(n - 1)
+        else:
+            unbiased = variance.fill_(float("nan"))
+        return {data.step: 1 - n * g_sq.div_(unbiased.add_(self.eps)).mean()}

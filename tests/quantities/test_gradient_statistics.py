@@ -183,3 +183,45 @@ def test_a_subset_of_the_parameters():
     out = cockpit.get_output()[0]
     assert out["NormTest"] == pytest.approx(float(expected), rel=1e-10)
     assert out["GradNorm"] == pytest.approx([float(p.grad.norm()) for p in subset], rel=1e-12)
+
+
+def test_quantities_that_keep_theta_t_share_one_copy_per_step():
+    model, X, y, loss_fn = models.mlp(n=3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    distance, update_size = quantities.Distance(), quantities.UpdateSize()
+    cockpit = Cockpit(model, [distance, update_size, quantities.Parameters()])
+    theta0 = [p.detach().clone() for p in model.parameters()]
+    losses = loss_fn(model(X), y)
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
+        losses.mean().backward()
+    opt.step()
+    kept = update_size.start[1]
+    assert all(a is b for a, b in zip(distance.initial, kept, strict=True))
+    # the shared copy is theta_0, untouched by the update and by the quantities
+    assert all(torch.equal(a, b) for a, b in zip(kept, theta0, strict=True))
+    assert cockpit.get_output()[0]["Parameters"] == [t.tolist() for t in theta0]
+
+
+def test_second_moment_quantities_leave_a_single_gradient_untouched():
+    # one parameter: the flattened gradient they overwrite must still be a copy of p.grad
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3, bias=False).double()
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+
+    def run(names):
+        net = copy.deepcopy(model)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        cockpit = Cockpit(net, [getattr(quantities, name)() for name in names])
+        losses = torch.nn.functional.cross_entropy(net(X), y, reduction="none")
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 5}
+        with cockpit(0, info={**info, "optimizer": opt}):
+            losses.mean().backward()
+        return net.weight.grad, cockpit.get_output()[0]
+
+    names = ["MeanGSNR", "CABS", "EarlyStopping"]
+    grad, together = run(names)
+    plain = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(plain(X), y).backward()
+    assert torch.equal(grad, plain.weight.grad)
+    for name in names:
+        assert run([name])[1][name] == together[name]
