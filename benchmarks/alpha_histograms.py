@@ -34,7 +34,7 @@ import warnings
 import torch
 
 from avionics import configuration
-from benchmarks.memory import high_water_kib, load_kernels, probe_growth, resident_kib
+from benchmarks.memory import probe_growth, probe_steps
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 from benchmarks.tools import (
@@ -84,16 +84,12 @@ def write_floor(problem) -> float:
 def _probe(problem: str, config: str, plain: bool, steps: int, threads: int) -> None:
     """In a fresh process: print the resident KiB before the model exists and the high-water
     after ``steps`` steps (plain steps, or instrumented with ``config``)."""
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore")
-    load_kernels()
-    baseline = resident_kib()
-    model, X, y, loss_fn = PROBLEMS[problem]()
     names, kind = _names(config), CONFIGS[config][1]
-    runner = Plain(model, loss_fn, kind) if plain else Avionics(model, loss_fn, kind, names)
-    for k in range(steps):
-        runner.step(k, X, y)
-    print(baseline, high_water_kib())
+
+    def runner(model, loss_fn):
+        return Plain(model, loss_fn, kind) if plain else Avionics(model, loss_fn, kind, names)
+
+    probe_steps(problem, runner, steps, threads)
 
 
 def peak_memory(problem: str, config: str, plain: bool, threads: int, steps: int = 3) -> int:

@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from benchmarks.memory import high_water_kib, load_kernels, probe_growth, resident_kib
+from benchmarks.memory import probe_growth, probe_steps
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 from benchmarks.tools import (
@@ -61,21 +61,16 @@ def time_ratio(problem, tool_cls, names, steps, warmup, budget_s):
 
 def _probe(problem: str, tool: str, config: str, steps: int, threads: int) -> None:
     """In a fresh process: print the RSS high-water of imports alone and after ``steps``."""
-    torch.set_num_threads(threads)
-    warnings.filterwarnings("ignore")
     tool_cls = {"plain": None, "avionics": Avionics, "reference": Reference}[tool]
     if tool_cls is Reference:
         reference_available()  # import it before the baseline is taken
-    load_kernels()
-    baseline = resident_kib()
-    model, X, y, loss_fn = PROBLEMS[problem]()
-    if tool_cls is None:
-        runner = Plain(model, loss_fn, "sgd")
-    else:
-        runner = tool_cls(model, loss_fn, "sgd", _names(config))
-    for k in range(steps):
-        runner.step(k, X, y)
-    print(baseline, high_water_kib())
+
+    def runner(model, loss_fn):
+        if tool_cls is None:
+            return Plain(model, loss_fn, "sgd")
+        return tool_cls(model, loss_fn, "sgd", _names(config))
+
+    probe_steps(problem, runner, steps, threads)
 
 
 def peak_memory(problem: str, tool: str, config: str, threads: int, steps: int = 3) -> int:

@@ -36,6 +36,27 @@ def load_kernels() -> None:
     binning.count_2d(outer, torch.zeros(4, dtype=torch.int64), 1, -1.0, 1.0, counts)
 
 
+def probe_steps(problem: str, make_runner, steps: int, threads: int) -> None:
+    """The body of a probe (a fresh process): print the resident KiB before the model is
+    built and the high-water after ``steps`` steps of ``make_runner(model, loss_fn)``, for
+    :func:`probe_growth`. Import what the runner needs before calling it."""
+    import warnings
+
+    import torch
+
+    from benchmarks.problems import PROBLEMS
+
+    torch.set_num_threads(threads)
+    warnings.filterwarnings("ignore")
+    load_kernels()
+    baseline = resident_kib()
+    model, X, y, loss_fn = PROBLEMS[problem]()
+    runner = make_runner(model, loss_fn)
+    for k in range(steps):
+        runner.step(k, X, y)
+    print(baseline, high_water_kib())
+
+
 def resident_kib() -> int:
     """Resident memory of this process now, in KiB."""
     with open("/proc/self/statm") as statm:
