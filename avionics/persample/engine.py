@@ -215,12 +215,11 @@ class PerSampleEngine:
                     continue
                 module, name = pairs[0]
                 rule = rules.get(module)
-                if name != "weight" or not isinstance(rule, LinearRule):
+                if name != "weight" or rule is None or not _factored(rule):
                     continue
                 weight = rule._weight()
-                if weight.t == 1 and weight.groups == 1:
-                    if FactoredDirection.worth_it(n, weight.i, weight.o):
-                        factors[k] = (weight.delta[:, 0, 0], weight.x[:, 0, 0])
+                if FactoredDirection.worth_it(n, weight.i, weight.o):
+                    factors[k] = (weight.delta[:, 0, 0], weight.x[:, 0, 0])
         return factors
 
     def release(self) -> None:
