@@ -43,6 +43,9 @@ def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     # projections alone: tied weights sum the closed forms of their contributions
     only = Request(directions=frozenset({"grad", "other"}))
     stats.only = engine.statistics(calls, only, {"grad": mean_grad, "other": other}, n, scale)
+    # one direction (Alpha's requests): a layer may project instead of materialising G_n
+    one = Request(directions=frozenset({"other"}))
+    stats.one = engine.statistics(calls, one, {"other": other}, n, scale)
     reference = models.per_sample_gradients(model, X, y, loss_fn, params)
     return stats, reference, mean_grad, other, engine
 
@@ -58,6 +61,9 @@ def assert_exact(model, X, y, loss_fn, reduction="mean"):
                 torch.testing.assert_close(
                     projections[name][k], flat @ v.reshape(-1), rtol=1e-10, atol=1e-12
                 )
+        torch.testing.assert_close(
+            stats.one.projections["other"][k], flat @ other[k].reshape(-1), rtol=1e-10, atol=1e-12
+        )
     # the brute force is a loop of autograd.grad: its mean is the gradient
     for ref, g in zip(reference, mean_grad):
         torch.testing.assert_close(ref.mean(0), g, rtol=1e-10, atol=1e-12)
@@ -148,6 +154,36 @@ def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
         model(torch.randn(1, *shape))  # materialise the lazy layer
         assert_exact(*classification(model, shape))
         assert used and all(used)
+
+
+def test_narrow_convolutions_project_through_the_unfolded_input(monkeypatch):
+    """G_n . V of a 2d convolution with few input channels comes from its unfolded input (the
+    convolution kernel is slow there); with more channels, from the layer's own convolution.
+    Both exact; the chunked unfolding is exercised with chunks of one sample."""
+    from avionics.persample.rules import base, bilinear, conv
+
+    calls = []
+    convolved = conv.ConvRule._convolved_projection
+    monkeypatch.setattr(
+        conv.ConvRule,
+        "_convolved_projection",
+        lambda self, v: calls.append(self.module.in_channels) or convolved(self, v),
+    )
+    monkeypatch.setattr(bilinear, "chunk_size", lambda n, numel, size: 1)
+    monkeypatch.setattr(base, "chunk_size", lambda n, numel, size: 1)
+    c = conv._WIDE_CHANNELS
+    model = nn.Sequential(
+        nn.Conv2d(1, c + 4, 3, padding=1),  # narrow, more outputs than inputs (9 per output)
+        nn.Tanh(),
+        nn.Conv2d(c + 4, c - 1, 2),  # wide
+        nn.Tanh(),
+        nn.Conv2d(c - 1, 2, (2, 3)),  # narrow, fewer outputs than inputs
+        nn.Flatten(),
+        nn.LazyLinear(3),
+    )
+    model(torch.randn(1, 1, 6, 7))  # materialise the lazy layer
+    assert_exact(*classification(model, (1, 6, 7)))
+    assert calls and set(calls) == {c + 4}
 
 
 def test_normalisation_layers_and_batchnorm_in_eval():
