@@ -248,7 +248,9 @@ class Cockpit:
             for q in active:
                 directions.update(q.directions(data))
             if request.statistics:
-                data.statistics = self._engine.statistics(calls, request, directions, n, scale)
+                data.statistics = self._engine.statistics(
+                    calls, request, directions, n, scale, keep_rules=True
+                )
             data.extra.update(calls=calls, engine=self._engine)
             data.extra["mean_gradient_factors"] = lambda: self._engine.mean_gradient_factors(
                 calls, n, scale

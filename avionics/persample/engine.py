@@ -142,8 +142,11 @@ class PerSampleEngine:
         directions: dict[str, list[Tensor]],
         n: int,
         scale: float,
+        keep_rules: bool = False,
     ) -> Statistics:
-        """The request's statistics of g_n = scale * (captured sample-n gradient)."""
+        """The request's statistics of g_n = scale * (captured sample-n gradient). With
+        ``keep_rules`` (the step's own statistics), the rules that
+        :meth:`mean_gradient_factors` can reuse are kept until :meth:`release`."""
         with torch.no_grad():
             contributions = self._contributions(calls, n)
             rules = self._rules(calls, contributions, n, scale)
@@ -193,9 +196,10 @@ class PerSampleEngine:
                     per_param[k] = self._summed_statistics(k, pairs, rules, request, directions, n)
                 elif not pairs:
                     per_param[k] = _zero_statistics(self.params[k], request, directions, n, k)
-            # kept for mean_gradient_factors until release(): only the rules it can use, for
-            # the others hold scaled copies of the step's output gradients
-            self._last = (calls, contributions, {m: r for m, r in rules.items() if _factored(r)})
+            if keep_rules:  # only the rules it can use: the others hold scaled copies of the
+                # step's output gradients
+                factored = {m: r for m, r in rules.items() if _factored(r)}
+                self._last = (calls, contributions, factored)
         return _collect(per_param, request)
 
     def mean_gradient_factors(self, calls, n: int, scale: float) -> list[tuple | None]:

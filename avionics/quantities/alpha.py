@@ -18,10 +18,16 @@ The projections at t need s, which for most optimizers exists only after ``optim
   instead of N I O; :mod:`avionics.persample.rules.factored`). (This assumes that the
   optimizer steps every tracked parameter on its gradient as the cockpit saw it: no gradient
   clipping between the backward and ``optimizer.step()``.)
-* every other optimizer: theta_t and the start step's ``StepData.per_sample`` are kept until
-  t+1 (that step's captured layer inputs and output gradients, never N x D per-sample
-  gradients); at t+1 the start step's g_n are projected onto the measured s in one pass of the
-  engine, with theta_t swapped back in; both steps' projections onto s are divided by tau.
+* every other optimizer: theta_t and the start step's ``StepData.per_sample`` (its captured
+  layer inputs and output gradients, never N x D per-sample gradients) are kept until s can
+  be measured, and the start step's g_n are projected onto it in one pass of the engine, with
+  theta_t swapped back in; both steps' projections onto s are divided by tau. s is measured
+  when ``optimizer.step()`` returns (a step post-hook of a ``torch.optim.Optimizer``), so
+  that the start step's capture is released before the next forward. The parameters must not
+  change between that moment and the next tracked step: the next step compares their norms,
+  and if they changed (another ``optimizer.step()``, weight clipping...), the start step
+  stores nothing, a warning says why, and from then on s is measured at the next tracked
+  step, the capture kept until then (as for an optimizer without step hooks).
 
 Scalars stay on the device until the fit, which reads them with one host transfer.
 
@@ -54,6 +60,8 @@ class Alpha(Quantity):
         super().__init__(schedule)
         self._start: _Start | None = None
         self._plain_sgd: bool | None = None  # of the optimizer seen at the last start
+        # measure s when optimizer.step() returns (until the parameters once changed after it)
+        self._at_optimizer_step = True
 
     def is_active(self, step: int) -> bool:
         return self._start is not None or self.schedule(step)
@@ -79,9 +87,13 @@ class Alpha(Quantity):
         values = {}
         if self._start is not None:
             start, self._start = self._start, None
-            values[start.step] = start.alpha(data)
+            value = start.alpha(data)
+            if value is None:  # the parameters changed after optimizer.step()
+                self._at_optimizer_step = False
+            else:
+                values[start.step] = value
         if self.schedule(data.step):
-            self._start = _Start.at(data)
+            self._start = _Start.at(data, self._at_optimizer_step)
             self._plain_sgd = self._start.per_sample is None
         return values
 
@@ -103,9 +115,12 @@ class _Start:
         self.projections: Tensor | None = None  # (g_n . s) / tau at the start, [N]
         self.params: list[Tensor] | None = None  # theta_t, when s is measured
         self.per_sample = None
+        self._hook = None  # on the optimizer's step, while it is awaited
+        self._stepped: list[Tensor] | None = None  # the parameters, updated by the step
+        self._norms: Tensor | None = None  # their norms when the step returned
 
     @classmethod
-    def at(cls, data: StepData) -> _Start:
+    def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
         start = cls(data.step, _checked_losses(data))
         optimizer = data.optimizer
         lr = _plain_sgd_learning_rate(optimizer)
@@ -131,7 +146,18 @@ class _Start:
                 raise RuntimeError(f"Step {data.step}: Alpha needs the step's per-sample data.")
             start.params = data.params_copy()
             start.per_sample = data.per_sample
+            register = getattr(optimizer, "register_step_post_hook", None)
+            if at_optimizer_step and register is not None:
+                start._stepped = data.params
+                start._hook = register(start._after_step)
         return start
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """Measure s and project as soon as ``optimizer.step()`` returns; remember the
+        parameters' norms, to check at the next tracked step that they did not change since."""
+        self.finish_update(self._stepped)
+        self._norms = _norms(self._stepped)
+        self._stepped = None
 
     def finish_update(self, params: list[Tensor]) -> None:
         """Measure s = theta_{t+1} - theta_t (when not known in advance) and project.
@@ -139,12 +165,15 @@ class _Start:
         A zero update gives a zero unit direction and zero projections (reported by
         :meth:`alpha`), so that nothing here waits for the device.
         """
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.unit is not None:
             return
         # the direction is s itself (projections are divided by tau afterwards: one pass over
         # the parameters less)
         self.unit = torch._foreach_sub(params, self.params)
-        self.tau = _global_norm(self.unit)
+        self.tau = torch.linalg.vector_norm(_norms(self.unit))
         self.per_tau = 1 / _positive(self.tau)
         stats = self.per_sample(
             Request(directions=frozenset({_DIRECTION})), {_DIRECTION: self.unit}, self.params
@@ -152,8 +181,9 @@ class _Start:
         self.projections = _summed(stats.projections[_DIRECTION]) * self.per_tau
         self.params, self.per_sample = None, None  # release theta_t and the start's capture
 
-    def alpha(self, data: StepData) -> float:
-        """Alpha of this start and the end step ``data``."""
+    def alpha(self, data: StepData) -> float | None:
+        """Alpha of this start and the end step ``data`` (None, with a warning, where the
+        parameters changed between ``optimizer.step()`` and this step)."""
         losses = _checked_losses(data)
         self.finish_update(data.params)  # (already done if the engine ran at the end step)
         if min(losses.numel(), self.n) < 2:
@@ -167,9 +197,13 @@ class _Start:
         if self.per_tau is not None:
             end = end * self.per_tau
         start = self.projections.double()
+        changed = torch.zeros((), dtype=torch.float64, device=start.device)
+        if self._norms is not None:
+            changed = (_norms(data.params) != self._norms).any().double()  # a fingerprint
         # one host transfer for the whole fit
-        tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
+        changed, tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
             [
+                changed,
                 self.tau.double(),
                 self.f,
                 losses.mean(),
@@ -181,6 +215,17 @@ class _Start:
                 _unbiased_variance(end),
             ]
         ).tolist()
+        if changed:
+            warnings.warn(
+                f"Alpha at step {self.step}: the parameters changed between optimizer.step() "
+                f"and step {data.step} (another optimizer step, or a change such as weight "
+                "clipping), so the update measured when optimizer.step() returned is not "
+                f"theta_{{t+1}} - theta_t; stored nothing for step {self.step}. From now on "
+                "Alpha measures the update at the next tracked step, keeping each start "
+                "step's captured layer inputs and output gradients until then.",
+                stacklevel=3,
+            )
+            return None
         if tau == 0:
             warnings.warn(
                 f"Alpha at step {self.step}: the update theta_{{t+1}} - theta_t has length zero "
@@ -253,12 +298,9 @@ def _summed(per_parameter: list[Tensor]) -> Tensor:
     return torch.stack(per_parameter).sum(0)
 
 
-def _global_norm(tensors: list[Tensor]) -> Tensor:
-    """sqrt(sum_k ||t_k||^2), a tensor on the tensors' device (no host transfer)."""
-    norms = torch._foreach_norm(tensors)
-    if len({t.dtype for t in norms}) > 1:
-        norms = [t.double() for t in norms]
-    return torch.linalg.vector_norm(torch.stack(norms))
+def _norms(tensors: list[Tensor]) -> Tensor:
+    """[||t_k||] in float64, on the tensors' device (no host transfer)."""
+    return torch.stack([norm.double() for norm in torch._foreach_norm(tensors)])
 
 
 def _positive(value: Tensor) -> Tensor:

@@ -163,20 +163,83 @@ def test_zero_update_warns_and_stores_minus_one(optimizer):
     assert cockpit.get_output()[0]["Alpha"] == -1.0
 
 
+class OwnSGD:
+    """A user's own optimizer: a step method, no torch.optim step hooks."""
+
+    def __init__(self, params, lr):
+        self.params, self.lr = list(params), lr
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:
+            p.sub_(self.lr * p.grad.sign())
+
+
 def test_alpha_keeps_no_per_sample_gradients():
-    """Between the steps, Alpha holds theta_t and the start's engine inputs, nothing N x D."""
+    """Between the steps Alpha holds nothing N x D: with a torch optimizer it projects when
+    optimizer.step() returns and keeps the update only; with an optimizer without step hooks,
+    theta_t and the start's engine inputs until the next step."""
+    model, X, y, loss_fn = models.mlp(n=4)
+    shapes = [p.shape for p in model.parameters()]
+    for opt, at_step in [
+        (torch.optim.Adam(model.parameters(), lr=0.01), True),
+        (OwnSGD(model.parameters(), lr=0.01), False),
+    ]:
+        alpha = quantities.Alpha()
+        cockpit = Cockpit(model, [alpha])
+        train_one(model, X, y, loss_fn, opt, cockpit, 0)
+        start = alpha._start
+        if at_step:  # the start's capture and theta_t are released already
+            assert start.per_sample is None and start.params is None
+            assert [u.shape for u in start.unit] == shapes and start.projections.shape == (4,)
+        else:
+            assert start.per_sample is not None and start.unit is None
+            assert [p.shape for p in start.params] == shapes
+        train_one(model, X, y, loss_fn, opt, cockpit, 1)
+        assert 0 in cockpit.get_output() and "Alpha" in cockpit.get_output()[0]
+        # the start of step 0 was released; step 1 is the new start
+        assert alpha._start.step == 1
+
+
+def test_own_optimizer_matches_brute_force():
+    model, X, y, loss_fn = models.cnn(n=4)
+    opt = OwnSGD(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model, [quantities.Alpha()])
+    snapshots = train(model, X, y, loss_fn, opt, cockpit, steps=3)
+    output = cockpit.get_output()
+    for t in range(2):
+        expected = reference_alpha(snapshots[t], snapshots[t + 1])
+        assert output[t]["Alpha"] == pytest.approx(expected, rel=1e-7, abs=1e-9), t
+
+
+def test_parameters_changed_after_the_step_warn_and_switch_to_measuring_at_the_next_step():
+    """Weight clipping after optimizer.step(): the update measured when the step returned is
+    not theta_{t+1} - theta_t. That start stores nothing (warned); later ones are exact."""
     model, X, y, loss_fn = models.mlp(n=4)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     alpha = quantities.Alpha()
     cockpit = Cockpit(model, [alpha])
-    train_one(model, X, y, loss_fn, opt, cockpit, 0)
-    start = alpha._start
-    assert start.per_sample is not None and start.unit is None
-    assert [p.shape for p in start.params] == [p.shape for p in model.parameters()]
-    train_one(model, X, y, loss_fn, opt, cockpit, 1)
-    assert 0 in cockpit.get_output() and "Alpha" in cockpit.get_output()[0]
-    # the start of step 0 was released; step 1 is the new start
-    assert alpha._start.step == 1
+    snapshots = []
+    for step in range(4):
+        snapshots.append(snapshot(model, X, y, loss_fn))
+        if step == 1:
+            with pytest.warns(UserWarning, match="parameters changed between optimizer.step"):
+                train_one(model, X, y, loss_fn, opt, cockpit, step)
+        else:
+            train_one(model, X, y, loss_fn, opt, cockpit, step)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-0.3, 0.3)
+    output = cockpit.get_output()
+    assert [s for s in output if "Alpha" in output[s]] == [1, 2]
+    assert alpha._start.per_sample is not None  # keeps the capture now
+    for t in (1, 2):
+        expected = reference_alpha(snapshots[t], snapshots[t + 1])
+        assert output[t]["Alpha"] == pytest.approx(expected, rel=1e-7, abs=1e-9), t
 
 
 def wide_mlp(n=4, seed=0):
