@@ -134,14 +134,14 @@ def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
     from avionics.persample.rules import conv
 
     used = []
-    by_windows = conv.ConvRule.gradients
+    by_windows = conv.ConvRule._window_gradients
 
     def spy(self, start, stop):
         g = by_windows(self, start, stop)
         used.append(g is not None)
         return g
 
-    monkeypatch.setattr(conv.ConvRule, "gradients", spy)
+    monkeypatch.setattr(conv.ConvRule, "_window_gradients", spy)
     c = conv._WIDE_CHANNELS
     for layers, shape in [
         ([nn.Conv2d(c, 3, (3, 2), padding=(1, 2), dilation=(2, 1))], (c, 6, 5)),

@@ -44,7 +44,7 @@ class Bilinear:
         delta: Tensor,
         weight_shape,
         project: Callable[[Tensor], Tensor] | None = None,
-        gradients: Callable[[int, int], Tensor | None] | None = None,
+        gradients: Callable[[int, int], Tensor] | None = None,
     ):
         self.inputs, self.delta, self.weight_shape = inputs, delta, weight_shape
         self.project = project  # G_n . V for V shaped like the weight, if the layer has its own
@@ -64,9 +64,8 @@ class Bilinear:
         return self._x
 
     def materialize(self, start: int, stop: int) -> Tensor:
-        g = None if self.gradients is None else self.gradients(start, stop)
-        if g is not None:
-            return g
+        if self.gradients is not None:
+            return self.gradients(start, stop)
         x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
         g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], x)
         return g.reshape(stop - start, *self.weight_shape)
@@ -226,8 +225,8 @@ class BilinearRule(Rule):
     # G_n . V computed by the layer itself (no unfolding), or None for the generic einsum
     projection: Callable[[Tensor], Tensor] | None = None
     # G_n of samples start..stop-1 by the layer itself where it has a faster way than
-    # unfolding (returning None where it has not), or None
-    gradients: Callable[[int, int], Tensor | None] | None = None
+    # unfolding, or None
+    gradients: Callable[[int, int], Tensor] | None = None
 
     def _bias(self) -> Tensor:
         bias = self.delta.sum(2).flatten(1)

@@ -20,8 +20,9 @@ from avionics.persample.rules.base import batch_first, concatenate, output_gradi
 from avionics.persample.rules.bilinear import BilinearRule
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-# Fewest input channels for which per-sample gradients by windows beat unfolding (measured on
-# one CPU core: 2x faster from 16 channels on, 3x slower with 1-3).
+# Fewest input channels of a 2d convolution for which its own kernels beat unfolding (measured
+# on one CPU core: per-sample gradients by windows 2x faster from 16 channels on, 3x slower with
+# 1-3; projections by the convolution 1.5-2.2x slower with 1-3, see ConvRule.projection).
 _WIDE_CHANNELS = 8
 
 
@@ -40,6 +41,12 @@ def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     kernel = eye.repeat(channels, 1, *([1] * dims))
     cols = _CONV[dims](x, kernel, None, module.stride, padding, module.dilation, channels)
     return cols.reshape(x.shape[0], channels * k, -1)
+
+
+def _plain_2d(module: nn.modules.conv._ConvNd) -> bool:
+    """A 2d convolution with one group: where the layer's input channels decide between its
+    own kernels and unfolding."""
+    return module.weight.dim() == 4 and module.groups == 1
 
 
 class ConvRule(BilinearRule):
@@ -63,10 +70,8 @@ class ConvRule(BilinearRule):
         the convolution kernel is slow (measured, one CPU core, batch 128: 1 -> 32 channels
         5x5 on 28x28, 29 ms against 13 ms by unfolding; 3 -> 64 5x5 on 32x32, 61 against
         42 ms), and their unfolded input is only prod(kernel) times a few channels."""
-        m = self.module
-        if m.weight.dim() == 4 and m.groups == 1 and m.in_channels < _WIDE_CHANNELS:
-            return None
-        return self._convolved_projection
+        narrow = _plain_2d(self.module) and self.module.in_channels < _WIDE_CHANNELS
+        return None if narrow else self._convolved_projection
 
     def _convolved_projection(self, v: Tensor) -> Tensor:
         """G_n . V = sum_t delta_{n,t} . (V x^unf_{n,t}) = <delta_n, conv(x_n; V)>: the layer's
@@ -79,10 +84,16 @@ class ConvRule(BilinearRule):
             result = p if result is None else result + p
         return result * self.scale
 
-    def gradients(self, start: int, stop: int) -> Tensor | None:
-        """G_n of samples start..stop-1 shaped like the weight, without unfolding, for a 2d
-        convolution with stride 1, one group and at least _WIDE_CHANNELS input channels (None
-        otherwise, for the unfolding path).
+    @property
+    def gradients(self) -> Callable[[int, int], Tensor] | None:
+        """G_n by windows of the flat input for 2d convolutions with stride 1, one group and at
+        least _WIDE_CHANNELS input channels (None for the others: unfolding)."""
+        m = self.module
+        wide = _plain_2d(m) and tuple(m.stride) == (1, 1) and m.in_channels >= _WIDE_CHANNELS
+        return self._window_gradients if wide else None
+
+    def _window_gradients(self, start: int, stop: int) -> Tensor:
+        """G_n of samples start..stop-1 shaped like the weight, without unfolding.
 
         With the padded input flattened to rows of its full width W_p, output location (h, w)
         reads, at kernel offset (i, j), element i d_h W_p + j d_w + (h W_p + w) of the flat
@@ -94,13 +105,6 @@ class ConvRule(BilinearRule):
         of a contiguous window of the input: k_h k_w batched products and no copy of the
         input per offset (unfolding copies it k_h k_w times, slowly)."""
         m = self.module
-        if not (
-            m.weight.dim() == 4
-            and m.groups == 1
-            and tuple(m.stride) == (1, 1)
-            and m.in_channels >= _WIDE_CHANNELS
-        ):
-            return None
         (kh, kw), (dh, dw) = m.kernel_size, m.dilation
         mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
         total = None
