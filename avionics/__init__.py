@@ -1,10 +1,9 @@
 """avionics: a cockpit for PyTorch training, and exact, fast curvature linear operators."""
 
-__version__ = "0.1.0"
-
-from avionics import quantities, schedules  # noqa: E402
-from avionics.cockpit import Cockpit  # noqa: E402
-from avionics.configurations import configuration  # noqa: E402
+from avionics import quantities, schedules
+from avionics.cockpit import Cockpit
+from avionics.configurations import configuration
+from avionics.version import __version__
 
 # Reading, drawing and diagnosing runs import matplotlib and friends: loaded on first use.
 _LAZY = {
@@ -24,4 +23,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'avionics' has no attribute {name!r}")
 
 
-__all__ = ["Cockpit", "configuration", "quantities", "schedules", *_LAZY]
+__all__ = ["Cockpit", "__version__", "configuration", "quantities", "schedules", *_LAZY]

@@ -3,12 +3,19 @@
     with cockpit(step, info={"loss": loss, "individual_losses": losses, ...}):
         loss.backward(create_graph=cockpit.create_graph(step))
 
-On a step where some quantity is active, the cockpit validates ``info`` before it touches any
-state, hooks the autograd nodes of the forward it captured (see
-:mod:`avionics.persample.capture`), lets the backward run, computes the per-sample statistics
-the active quantities asked for, and stores each quantity's values. Before a step that needs
-per-sample statistics it arms the capture for that step's forward; a step that needs nothing
-costs one schedule look-up per quantity.
+The cockpit composes three parts and owns no computation of its own:
+
+* the per-sample engine (:mod:`avionics.persample`): before a step that needs per-sample
+  statistics it arms a capture of that step's forward; after the backward it turns the
+  captured layer calls into one :class:`~avionics.persample.CapturedStep` and computes the
+  merged request of the step's active quantities with one call;
+* the quantities (:mod:`avionics.quantities`): ``request``, ``prepare`` and ``compute`` of each
+  active one, on one :class:`~avionics.quantities.StepData`;
+* the sinks (:mod:`avionics.records.sink`): the run log and any others, which receive each
+  finished step's values, converted to plain Python once.
+
+On a step where some quantity is active, ``info`` is validated before any state changes; a
+step that needs nothing costs one schedule look-up per quantity.
 """
 
 from __future__ import annotations
@@ -18,12 +25,19 @@ from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
+from avionics.configurations import configuration
 from avionics.persample import PerSampleEngine, Request
+from avionics.persample.step import factorable
 from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.loss import Loss
+from avionics.records.encoding import to_python
+from avionics.records.sink import Sink
+from avionics.version import __version__
+
+STATE_VERSION = 1
 
 
 class Cockpit:
@@ -35,6 +49,11 @@ class Cockpit:
             under its class name.
         params: the parameters to track (default: every parameter that requires grad).
         log: a run directory; each finished step is appended there as it finishes.
+        sinks: further destinations of the values (e.g. ``avionics.records.
+            TensorBoardWriter(dir)``), each a :class:`~avionics.records.sink.Sink`.
+        first_step: the number of the first step the loop will run, when it is known (a run
+            resumed at step k); by default the capture is armed for whichever step comes
+            first.
     """
 
     def __init__(
@@ -43,25 +62,22 @@ class Cockpit:
         quantities: list[Quantity] | None = None,
         params: list[nn.Parameter] | None = None,
         log: str | None = None,
+        sinks: tuple[Sink, ...] | list[Sink] = (),
+        first_step: int | None = None,
     ):
-        from avionics.configurations import configuration
-
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit(model) needs a torch.nn.Module, got {type(model).__name__}.")
         quantities = configuration("economy") if quantities is None else list(quantities)
-        names = set()
-        for q in quantities:
-            if not isinstance(q, Quantity):
+        _check_quantities(quantities)
+        sinks = list(sinks)
+        for sink in sinks:
+            if not isinstance(sink, Sink):
                 raise TypeError(
-                    f"{q!r} is not a quantity. Pass instances such as "
-                    "avionics.quantities.NormTest(), or configuration('economy')."
+                    f"{sink!r} is not a sink: a sink has write(step, values), "
+                    "update_metadata(metadata) and close() (see avionics.records.sink)."
                 )
-            if q.name in names:
-                raise ValueError(
-                    f"Two {q.name} quantities: each quantity is stored under its class name, so "
-                    "a cockpit takes one of each."
-                )
-            names.add(q.name)
+        if first_step is not None and (not isinstance(first_step, int) or first_step < 0):
+            raise ValueError(f"first_step must be a non-negative int, got {first_step!r}.")
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = _tracked_parameters(model, params)
@@ -69,13 +85,19 @@ class Cockpit:
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
         self._unconverted: list[tuple[int, str]] = []
         self._capture = None
-        self._writer = None
         self._described_training = False
+        metadata = self._metadata()
+        for sink in sinks:
+            sink.update_metadata(metadata)
         if log is not None:
             from avionics.records import RunWriter
 
-            self._writer = RunWriter(log, metadata=self._metadata())
-        self._arm_if_needed(next_step=None)
+            sinks.insert(0, RunWriter(log, metadata=metadata))
+        self._sinks = sinks
+        if first_step is None:
+            self._arm_if(any(type(q).request is not Quantity.request for q in quantities))
+        else:
+            self._arm_for(first_step)
 
     # ------------------------------------------------------------------ the protocol
     def create_graph(self, step: int) -> bool:
@@ -86,16 +108,16 @@ class Cockpit:
     def __call__(self, step: int, info: dict):
         active = [q for q in self.quantities if q.is_active(step)]
         if not active:
-            if self._capture is not None:  # armed before the first step, not needed by it
+            if self._capture is not None:  # armed for this step, not needed by it
                 self._capture.disarm()
                 self._capture = None
             yield self
-            self._arm_if_needed(next_step=step + 1)
+            self._arm_for(step + 1)
             return
         request = Request()
         for q in active:
             request = request | q.request(step)
-        reduction, n = self._validate(step, info, active, request)
+        reduction, n = self._validate(step, info, active)
         finite = bool(torch.isfinite(info["loss"].detach()))
         capture, self._capture = self._capture, None
         if capture is not None:
@@ -104,7 +126,8 @@ class Cockpit:
             raise RuntimeError(
                 f"Step {step} needs per-sample statistics, but the cockpit did not capture its "
                 "forward pass. The cockpit arms its capture after each step for the step number "
-                "that follows: call it at every step, with consecutive step numbers."
+                "that follows: call it at every step, with consecutive step numbers (a run "
+                "resumed at step k: pass Cockpit(..., first_step=k))."
             )
         gradients: list[Tensor | None] = [None] * len(self.params)
         handles = []
@@ -122,59 +145,93 @@ class Cockpit:
                 capture.stop_recording()
         try:
             if finite:
-                self._compute(step, info, active, request, capture, gradients, reduction, n)
+                values = self._compute(
+                    step, info, active, request, capture, gradients, reduction, n
+                )
             else:
                 warnings.warn(
                     f"Step {step}: the loss is {float(info['loss'].detach())}; recorded it and "
                     "skipped the other quantities at this step.",
                     stacklevel=3,
                 )
-                self._store(step, "Loss", info["loss"])
+                values = {step: {Loss.__name__: info["loss"]}}
+            self._store(values)
         finally:
             if capture is not None:
                 capture.release()
-            self._arm_if_needed(next_step=step + 1)
+            self._arm_for(step + 1)
 
     def log(self, step: int, **metrics) -> None:
         """Store epoch-level metrics (validation loss, accuracy, learning_rate, ...) at step."""
-        values = {key: _to_python(value) for key, value in metrics.items()}
+        values = {key: to_python(value) for key, value in metrics.items()}
         self._output[step].update(values)
-        if self._writer is not None:
-            self._writer.write(step, values)
+        for sink in self._sinks:
+            sink.write(step, values)
 
     def get_output(self) -> dict[int, dict[str, Any]]:
         """{step: {quantity or metric name: value}} of everything computed so far."""
         for step, name in self._unconverted:
-            self._output[step][name] = _to_python(self._output[step][name])
+            self._output[step][name] = to_python(self._output[step][name])
         self._unconverted = []
         return {step: dict(values) for step, values in sorted(self._output.items())}
 
+    @property
+    def metadata(self) -> dict:
+        """What the run log's first line says of this cockpit (versions, model, parameters,
+        quantities and their declared outputs)."""
+        return self._metadata()
+
+    def state_dict(self) -> dict:
+        """What a run resumed from a checkpoint needs to continue every quantity as if
+        uninterrupted (Distance's theta_0, HessMaxEV's warm start, adapted histogram ranges,
+        pending two-step starts). Save it with ``torch.save`` after ``optimizer.step()``."""
+        return {
+            "version": STATE_VERSION,
+            "quantities": {q.name: q.state_dict() for q in self.quantities},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` into a cockpit with the same quantities (checked before
+        anything changes)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError(
+                "Cockpit.load_state_dict takes what Cockpit.state_dict returned (version "
+                f"{STATE_VERSION}); got {type(state).__name__}."
+            )
+        saved, ours = state["quantities"], {q.name for q in self.quantities}
+        if set(saved) != ours:
+            raise ValueError(
+                f"The saved cockpit had the quantities {sorted(saved)}, this one has "
+                f"{sorted(ours)}: build the cockpit with the same quantities to resume."
+            )
+        for q in self.quantities:
+            q.load_state_dict(saved[q.name])
+
     def close(self) -> None:
-        """Remove the capture's hook and close the log."""
+        """Remove the capture's hook and close the sinks."""
         if self._capture is not None:
             self._capture.disarm()
             self._capture.release()
             self._capture = None
-        if self._writer is not None:
-            self._writer.close()
+        for sink in self._sinks:
+            sink.close()
 
     # ------------------------------------------------------------------ internals
-    def _arm_if_needed(self, next_step: int | None) -> None:
-        if next_step is None:  # before the first step: its number is not known yet
-            needed = any(q.request(0) or q.request(1) for q in self.quantities)
-        else:
-            needed = any(q.is_active(next_step) and q.request(next_step) for q in self.quantities)
+    def _arm_for(self, step: int) -> None:
+        self._arm_if(any(q.is_active(step) and q.request(step) for q in self.quantities))
+
+    def _arm_if(self, needed: bool) -> None:
         if needed:
             self._capture = self._engine.capture()
             self._capture.arm()
 
-    def _validate(self, step, info, active, request) -> tuple[str, int | None]:
+    def _validate(self, step, info, active) -> tuple[str, int | None]:
         if not isinstance(info, dict):
             raise TypeError(f"cockpit(step, info=...) needs a dict, got {type(info).__name__}.")
         if "loss" not in info:
             raise KeyError(f"Step {step}: info['loss'] is required on every tracked step.")
         for q in active:
-            for key in q.info_keys:
+            for key in q.required_info(step):
                 if key not in info:
                     raise KeyError(
                         f"Step {step}: {q.name} reads info['{key}'], which is missing. Pass it "
@@ -200,20 +257,20 @@ class Cockpit:
         return _reduction(loss.detach(), losses.detach()), len(losses)
 
     def _describe_training(self, info: dict, n: int | None) -> None:
-        """Add the optimizer and batch size to the log's metadata, once they are known."""
+        """Add the optimizer and batch size to the metadata, once they are known."""
         from avionics.records.metadata import describe_optimizer
 
         optimizer = info.get("optimizer")
         if optimizer is not None:
-            self._writer.update_metadata(
-                {"optimizer": describe_optimizer(optimizer), "batch_size": n}
-            )
+            update = {"optimizer": describe_optimizer(optimizer), "batch_size": n}
+            for sink in self._sinks:
+                sink.update_metadata(update)
             self._described_training = True
 
     def _compute(self, step, info, active, request, capture, gradients, reduction, n):
-        if self._writer is not None and not self._described_training:
+        """The values of the step's active quantities, {step they belong to: {name: value}}."""
+        if self._sinks and not self._described_training:
             self._describe_training(info, n)
-        scale = n if reduction == "mean" else 1
         grads = [
             p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params
         ]
@@ -230,63 +287,76 @@ class Cockpit:
             individual_losses=losses.detach() if losses is not None else None,
             grads=grads,
             mean_grad=mean_grad,
-        )
-        # For curvature quantities: p.grad with its graph (create_graph=True), the model, the
-        # step's active quantities (to share work), and (below) the captured calls and the
-        # engine, to backpropagate other output gradients.
-        data.extra.update(
             graph_grads=[p.grad for p in self.params],
             tracked=self.params,
             model=self.model,
-            quantities=active,
+            active=tuple(active),
         )
         if request:
-            calls = capture.calls_by_module()
-            if self._engine.needs_check(calls):
-                self._engine.check(calls, gradients, n, scale)
-            directions = {"grad": mean_grad}
-            for q in active:
-                directions.update(q.directions(data))
-            if request.statistics:
-                data.statistics = self._engine.statistics(
-                    calls, request, directions, n, scale, keep_rules=True
-                )
-            data.extra.update(calls=calls, engine=self._engine)
-            data.extra["mean_gradient_factors"] = lambda: self._engine.mean_gradient_factors(
-                calls, n, scale
+            # a mean-reduced loss backpropagates dl_n/dout / N: the factor N undoes that
+            factor = n if reduction == "mean" else 1
+            data.captured = self._engine.step(
+                capture.calls_by_module(), n, factor, gradients=gradients
             )
-            data.per_sample = _bound_statistics(self._engine, self.params, calls, n, scale)
+        directions = {"grad": mean_grad}
+        for q in active:
+            directions.update(q.prepare(data))
+        values: dict[int, dict[str, Any]] = defaultdict(dict)
         try:
+            if request.asks_statistics:
+                data.statistics = data.captured.statistics(request, directions)
+                # keep only the rules that mean_gradient_factors reuses: the others hold
+                # scaled copies of the step's output gradients
+                data.captured.release_rules(keep=factorable)
             for q in active:
                 for s, value in q.compute(data).items():
-                    self._store(s, q.name, value)
+                    values[s][q.name] = value
         finally:
-            self._engine.release()  # the step's rules: what is kept, quantities keep
+            if data.captured is not None:
+                data.captured.release_rules()  # what quantities keep of it is theirs
+        return values
 
-    def _store(self, step: int, name: str, value) -> None:
-        """Keep a value; it becomes plain Python when written to the log or read back.
+    def _store(self, values: dict[int, dict[str, Any]]) -> None:
+        """Keep a step's values and hand them to the sinks, converted once.
 
-        Without a log the conversion waits for :meth:`get_output`, so that a tracked step
+        Without a sink the conversion waits for :meth:`get_output`, so that a tracked step
         copies nothing to the host (no device synchronisation on the training's hot path).
         """
-        if self._writer is not None:
-            value = _to_python(value)
-            self._writer.write(step, {name: value})
-        else:
-            self._unconverted.append((step, name))
-        self._output[step][name] = value
+        for step, named in sorted(values.items()):
+            if self._sinks:
+                named = {name: to_python(value) for name, value in named.items()}
+                for sink in self._sinks:
+                    sink.write(step, named)
+            else:
+                self._unconverted.extend((step, name) for name in named)
+            self._output[step].update(named)
 
     def _metadata(self) -> dict:
-        import avionics
-
         return {
-            "avionics": avionics.__version__,
+            "avionics": __version__,
             "torch": torch.__version__,
             "model": type(self.model).__name__,
             "summary": repr(self.model),
             "parameters": {name: list(p.shape) for name, p in zip(self.param_names, self.params)},
             "quantities": [q.describe() for q in self.quantities],
+            "outputs": {q.name: q.output.describe() for q in self.quantities},
         }
+
+
+def _check_quantities(quantities: list) -> None:
+    names = set()
+    for q in quantities:
+        if not isinstance(q, Quantity):
+            raise TypeError(
+                f"{q!r} is not a quantity. Pass instances such as "
+                "avionics.quantities.NormTest(), or configuration('economy')."
+            )
+        if q.name in names:
+            raise ValueError(
+                f"Two {q.name} quantities: each quantity is stored under its class name, so "
+                "a cockpit takes one of each."
+            )
+        names.add(q.name)
 
 
 def _tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], list[str]]:
@@ -323,45 +393,8 @@ def _reduction(loss: Tensor, losses: Tensor) -> str:
     )
 
 
-def _bound_statistics(engine: PerSampleEngine, tracked: list[nn.Parameter], calls, n, scale):
-    """``StepData.per_sample``: statistics of one step's captured calls, on demand.
-
-    Holds ``calls`` (that step's layer inputs and output gradients; the capture's gradient
-    hooks are already removed) for as long as a quantity keeps the returned function.
-    """
-
-    def per_sample(request: Request, directions: dict, params: list[Tensor] | None = None):
-        if params is None:
-            return engine.statistics(calls, request, directions, n, scale)
-        now = [p.data for p in tracked]
-        try:
-            for p, value in zip(tracked, params, strict=True):
-                p.data = value
-            return engine.statistics(calls, request, directions, n, scale)
-        finally:
-            for p, value in zip(tracked, now, strict=True):
-                p.data = value
-
-    return per_sample
-
-
 def _store_into(slots: list, k: int):
     def store(grad):
         slots[k] = grad.detach()
 
     return store
-
-
-def _to_python(value):
-    """Plain Python (floats, lists, dicts) for the output and the log."""
-    if isinstance(value, Tensor):
-        return value.detach().cpu().tolist()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    if isinstance(value, dict):
-        return {k: _to_python(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_to_python(v) for v in value]
-    if isinstance(value, np.generic):
-        return value.item()
-    return value

@@ -2,29 +2,22 @@
 
 from __future__ import annotations
 
-from avionics import quantities
+import avionics.quantities as q
 from avionics.schedules import Schedule
 
 ECONOMY = [
-    "Alpha",
-    "Distance",
-    "GradHist1d",
-    "GradNorm",
-    "InnerTest",
-    "Loss",
-    "NormTest",
-    "OrthoTest",
-    "UpdateSize",
-]
-BUSINESS = ECONOMY + ["TICDiag", "HessTrace"]
-FULL = BUSINESS + ["HessMaxEV", "GradHist2d"]
+    q.Alpha, q.Distance, q.GradHist1d, q.GradNorm, q.InnerTest, q.Loss, q.NormTest, q.OrthoTest,
+    q.UpdateSize,
+]  # fmt: skip
+BUSINESS = ECONOMY + [q.TICDiag, q.HessTrace]
+FULL = BUSINESS + [q.HessMaxEV, q.GradHist2d]
 PRESETS = {"economy": ECONOMY, "business": BUSINESS, "full": FULL}
 
 
-def configuration(label: str, schedule: Schedule | None = None) -> list[quantities.Quantity]:
+def configuration(label: str, schedule: Schedule | None = None) -> list[q.Quantity]:
     """New instances of the quantities of preset ``label``, each on ``schedule``."""
     if label not in PRESETS:
         raise ValueError(
             f"Unknown configuration {label!r}; choose one of {', '.join(map(repr, PRESETS))}."
         )
-    return [getattr(quantities, name)(schedule=schedule) for name in PRESETS[label]]
+    return [cls(schedule=schedule) for cls in PRESETS[label]]

@@ -28,9 +28,10 @@ from avionics.schedules import linear
 LEARNING_RATES = {"good-lr": 0.5, "too-large-lr": 6.0}
 BATCH_SIZE = 64
 VALID_SIZE = 360
-CURVATURE = ("HessMaxEV", "HessTrace", "TICDiag", "TICTrace")  # the costliest instruments
-HISTOGRAMS = ("GradHist1d", "GradHist2d")  # the next costliest
-SECONDARY = ("CABS", "EarlyStopping", "MeanGSNR", "TICTrace")  # not in any preset
+# the costliest instruments
+CURVATURE = (quantities.HessMaxEV, quantities.HessTrace, quantities.TICDiag, quantities.TICTrace)
+# not in any preset
+SECONDARY = (quantities.CABS, quantities.EarlyStopping, quantities.MeanGSNR, quantities.TICTrace)
 SCHEDULES = {"every": 2, "histogram_every": 10, "curvature_every": 50, "eval_every": 20}
 
 
@@ -59,18 +60,17 @@ def demo_quantities(every: int, histogram_every: int, curvature_every: int) -> l
     per-parameter 2d histograms: the curvature instruments every ``curvature_every`` steps,
     the histograms every ``histogram_every`` steps and the others every ``every`` steps."""
     chosen = []
-    for q in configuration("full") + [getattr(quantities, n)() for n in SECONDARY]:
-        name = type(q).__name__
-        if name in {type(c).__name__ for c in chosen}:
+    for cls in [type(q) for q in configuration("full")] + list(SECONDARY):
+        if cls in {type(c) for c in chosen}:
             continue
-        if name in CURVATURE:
-            q = type(q)(schedule=linear(curvature_every))
-        elif name == "GradHist2d":
-            q = quantities.GradHist2d(schedule=linear(histogram_every), per_parameter=True)
-        elif name in HISTOGRAMS:
-            q = type(q)(schedule=linear(histogram_every))
+        if cls in CURVATURE:
+            q = cls(schedule=linear(curvature_every))
+        elif cls is quantities.GradHist2d:
+            q = cls(schedule=linear(histogram_every), per_parameter=True)
+        elif cls.output.histogram:
+            q = cls(schedule=linear(histogram_every))
         else:
-            q = type(q)(schedule=linear(every))
+            q = cls(schedule=linear(every))
         chosen.append(q)
     return chosen
 

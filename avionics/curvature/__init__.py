@@ -6,23 +6,9 @@ lists of per-parameter tensors and NumPy arrays; lazy ``A + B``, ``A - B``, ``c 
 operator or dense tensor.
 """
 
+from avionics.curvature import algorithms
 from avionics.curvature.activation_hessian import ActivationHessianOperator
-from avionics.curvature.algorithms import (
-    CGResult,
-    EigenResult,
-    SpectralDensity,
-    bottom_eigenpairs,
-    conjugate_gradient,
-    frobenius_norm_squared,
-    hutchinson_diagonal,
-    hutchinson_trace,
-    hutchpp_trace,
-    neumann_inverse,
-    spectral_density,
-    top_eigenpairs,
-    xdiag,
-    xtrace,
-)
+from avionics.curvature.algorithms import *  # noqa: F403 (re-exported: see __all__)
 from avionics.curvature.base import CurvatureLinearOperator, IdentityOperator
 from avionics.curvature.ef import EFOperator
 from avionics.curvature.ggn import GGNOperator
@@ -33,20 +19,6 @@ from avionics.curvature.mc_fisher import MCFisherOperator
 
 __all__ = [
     "ActivationHessianOperator",
-    "CGResult",
-    "EigenResult",
-    "SpectralDensity",
-    "bottom_eigenpairs",
-    "conjugate_gradient",
-    "frobenius_norm_squared",
-    "hutchinson_diagonal",
-    "hutchinson_trace",
-    "hutchpp_trace",
-    "neumann_inverse",
-    "spectral_density",
-    "top_eigenpairs",
-    "xdiag",
-    "xtrace",
     "CurvatureLinearOperator",
     "EFOperator",
     "EKFACOperator",
@@ -58,4 +30,5 @@ __all__ = [
     "KFACOperator",
     "MCFisherOperator",
     "TransposedJacobianOperator",
+    *algorithms.__all__,
 ]

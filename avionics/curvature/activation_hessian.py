@@ -1,4 +1,11 @@
-"""The Hessian of the loss w.r.t. an intermediate tensor of the network."""
+"""The Hessian of the loss w.r.t. an intermediate tensor of the network.
+
+It hooks the one module itself rather than use :class:`avionics.persample.capture.Capture`:
+it differentiates twice w.r.t. the tensor Z and compares its values between two passes, so it
+needs Z itself (a capture keeps only the shapes of outputs), and it must replace a Z that does
+not require grad (the network input) by a differentiable copy in the forward, which a capture,
+which only observes, never does.
+"""
 
 from __future__ import annotations
 

@@ -7,15 +7,18 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.func import grad
-from torch.nn import functional as F
 
 from avionics.curvature._data import ModelDataOperator, math_attention
 from avionics.curvature._losses import output_hessian_square_root, sampled_output_gradients
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.persample.capture import Capture, ModuleCall
+from avionics.persample.rules.conv import unfold
 
 FISHER_TYPES = ("mc", "type-2", "empirical")
-SUPPORTED_LAYERS = (nn.Linear, nn.Conv2d)
+CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+SUPPORTED_LAYERS = (nn.Linear, *CONVOLUTIONS)
 
 
 @dataclass
@@ -33,8 +36,9 @@ class KroneckerBlock:
 class KFACOperator(ModelDataOperator):
     r"""KFAC: the GGN (or a Fisher) approximated per layer by a Kronecker product B (x) A.
 
-    Every block belongs to one ``nn.Linear`` or ``nn.Conv2d`` layer z = W a (+ b), a its
-    input (for a convolution the unfolded patches), z its output. With the GGN
+    Every block belongs to one ``nn.Linear`` or ``nn.Conv1d/2d/3d`` layer z = W a (+ b), a
+    its input (for a convolution the unfolded patches, with any padding mode: see
+    :func:`~avionics.persample.rules.conv.unfold`), z its output. With the GGN
     sum_b w_b J_b^T Lambda_b J_b (:class:`~avionics.curvature.ggn.GGNOperator`),
     Lambda_b = sum_k s_k s_k^T, and g_k = (dz/df)^T s_k the vectors backpropagated to z, the
     block of W is approximated by (Martens & Grosse, "Optimizing neural networks with
@@ -45,11 +49,12 @@ class KFACOperator(ModelDataOperator):
               A = \frac{1}{R} \sum_r a_r a_r^\top,
 
     r running over the rows of the layer input over the data set (R rows: one per sample,
-    or per position for sequences and convolutions, the "expand" approximation of Eschenhagen
-    et al., 2023). It is exact for single-sample batches without positions and
-    ``fisher_type="type-2"``. On a weight V [out, in] the product is B V A; a bias gets its
-    own block with A = 1 (``separate_weight_and_bias=True``) or joins the weight, with a column
-    of ones appended to a.
+    or per position for sequences and convolutions, and per call of a layer called more than
+    once: the "expand" approximation of Eschenhagen et al., 2023). It is exact for
+    single-sample batches without positions and ``fisher_type="type-2"``. On a weight
+    V [out, in] the product is B V A; a bias gets its own block with A = 1
+    (``separate_weight_and_bias=True``) or joins the weight, with a column of ones appended
+    to a.
 
     The s_k: ``"mc"`` draws labels from the model's predictive distribution
     (:func:`~avionics.curvature._losses.sampled_output_gradients`), ``"type-2"`` is the exact
@@ -60,8 +65,8 @@ class KFACOperator(ModelDataOperator):
         model: The network (an ``nn.Module``).
         loss_fn: ``MSELoss``, ``CrossEntropyLoss`` or ``BCEWithLogitsLoss``, reduction "mean"
             or "sum".
-        params: Weights and biases of Linear and Conv2d layers; ``None`` for all parameters
-            that require grad.
+        params: Weights and biases of Linear and (one-group) Conv1d/2d/3d layers; ``None``
+            for all parameters that require grad.
         data: A re-iterable of (X, y) batches.
         fisher_type: ``"mc"`` (default), ``"type-2"`` or ``"empirical"``.
         mc_samples: Labels drawn per output for ``"mc"``.
@@ -93,12 +98,10 @@ class KFACOperator(ModelDataOperator):
             weight, bias = index.get(prefix + "weight"), index.get(prefix + "bias")
             if not isinstance(layer, SUPPORTED_LAYERS) or (weight is None and bias is None):
                 continue
-            if isinstance(layer, nn.Conv2d) and (
-                layer.groups != 1 or layer.padding_mode != "zeros"
-            ):
+            if isinstance(layer, CONVOLUTIONS) and layer.groups != 1:
                 raise ValueError(
-                    f"KFACOperator: layer {layer_name!r} is a Conv2d with groups or a padding "
-                    "mode other than zeros, which is not supported; leave its parameters out."
+                    f"KFACOperator: layer {layer_name!r} is a {type(layer).__name__} with groups "
+                    f"({layer.groups}), which is not supported; leave its parameters out."
                 )
             if weight is not None and bias is not None and not self._separate_weight_and_bias:
                 blocks.append(KroneckerBlock(layer, [weight, bias], True, True))
@@ -111,8 +114,9 @@ class KFACOperator(ModelDataOperator):
         others = [name for i, name in enumerate(self._param_names) if i not in covered]
         if others:
             raise ValueError(
-                "KFACOperator supports the weights and biases of Linear and Conv2d layers; "
-                f"parameters {others} belong to other modules: pass params=[names] without them."
+                "KFACOperator supports the weights and biases of Linear and Conv1d/2d/3d "
+                f"layers; parameters {others} belong to other modules: pass params=[names] "
+                "without them."
             )
         return blocks
 
@@ -141,51 +145,46 @@ class KFACOperator(ModelDataOperator):
     def _backpropagated_rows(self, desc: str):
         """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]).
 
-        The draws restart from the seed on every pass, so every pass sees the same sample.
+        The rows of all calls of a layer are concatenated. The draws restart from the seed on
+        every pass, so every pass sees the same sample.
         """
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
         generator = torch.Generator(self.device).manual_seed(self._seed)
+        capture = Capture(self._model, layers)
         with math_attention():
             for X, y in self._batches(desc):
-                output, inputs, outputs = self._forward(X, layers)
+                output, calls = self._forward(X, capture, layers)
                 vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
-                gradients = torch.autograd.grad(
-                    output, [outputs[id(layer)] for layer in layers], vectors,
-                    is_grads_batched=True, allow_unused=True, materialize_grads=True,
-                )  # fmt: skip
+                gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
-                for layer, g in zip(layers, gradients):
-                    a = _input_rows(layer, inputs[id(layer)], id(layer) in joint)
-                    yield weight, layer, a, _output_rows(layer, g)
+                for layer in layers:
+                    a = [_input_rows(layer, c.args[0].detach(), id(layer) in joint)
+                         for c in calls[layer]]  # fmt: skip
+                    g = [_output_rows(layer, gradient) for gradient in gradients[layer]]
+                    yield weight, layer, torch.cat(a, dim=1), torch.cat(g, dim=2)
 
-    def _forward(self, X, layers: list[nn.Module]) -> tuple[Tensor, dict, dict]:
-        """Run the model; return its output, each layer's input and output (in the graph)."""
-        inputs, outputs = {}, {}
-
-        def hook(layer, args, output):
-            inputs[id(layer)] = args[0].detach()
-            if not output.requires_grad:  # nothing upstream needs a graph: start one here
-                output = output.detach().requires_grad_()
-            outputs[id(layer)] = output
-            return output
-
-        handles = [layer.register_forward_hook(hook) for layer in layers]
+    def _forward(
+        self, X, capture: Capture, layers: list[nn.Module]
+    ) -> tuple[Tensor, dict[nn.Module, list[ModuleCall]]]:
+        """Run the model; return its output (in the graph) and each layer's calls."""
+        capture.arm()
         try:
             with torch.enable_grad():
                 output = self._model(X)
         finally:
-            for handle in handles:
-                handle.remove()
+            capture.disarm()
+        calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
+        capture.release()
         not_called = [name for name, m in self._model.named_modules() if m in layers
-                      and id(m) not in outputs]  # fmt: skip
+                      and not calls[m]]  # fmt: skip
         if not_called:
             raise ValueError(
                 f"KFACOperator: the layers {not_called} were not called in the forward pass "
                 "(e.g. the out_proj of nn.MultiheadAttention, whose weight is used directly), "
                 "so their inputs and outputs cannot be seen; leave their parameters out."
             )
-        return output, inputs, outputs
+        return output, calls
 
     def _output_vectors(self, output: Tensor, y: Tensor, generator) -> Tensor:
         """The s_k, stacked [K, *output.shape], with Lambda_b = sum_k s_k s_k^T."""
@@ -223,8 +222,8 @@ class EKFACOperator(KFACOperator):
     (George et al., "Fast approximate natural gradient descent in a Kronecker-factored
     eigenbasis", 2018, eq. 7),
 
-    .. math:: S_{ij} = \sum_b w_b \sum_{k, n} ig( Q_B^	op G_{k,n} Q_A ig)_{ij}^2,
-              \qquad G_{k,n} = \sum_r g_{k,n,r} a_{n,r}^	op,
+    .. math:: S_{ij} = \sum_b w_b \sum_{k, n} \big( Q_B^\top G_{k,n} Q_A \big)_{ij}^2,
+              \qquad G_{k,n} = \sum_r g_{k,n,r} a_{n,r}^\top,
 
     G_{k,n} the per-sample gradients of the backpropagated vectors (see
     :class:`KFACOperator`), computed in a second pass over the data with the same draws. The
@@ -263,8 +262,8 @@ class KFACInverseOperator(CurvatureLinearOperator):
     A block with eigenbases Q_B, Q_A and eigenvalues S (b a^T for KFAC; the corrected ones
     for EKFAC) has the damped inverse
 
-    .. math:: (Q_B \otimes Q_A) \operatorname{diag}(S + \lambda)^{-1} (Q_B \otimes Q_A)^	op:
-              \quad V \mapsto Q_B ig[ (Q_B^	op V Q_A) \oslash (S + \lambda) ig] Q_A^	op
+    .. math:: (Q_B \otimes Q_A) \operatorname{diag}(S + \lambda)^{-1} (Q_B \otimes Q_A)^\top:
+              \quad V \mapsto Q_B \big[ (Q_B^\top V Q_A) \oslash (S + \lambda) \big] Q_A^\top
 
     (Martens & Grosse, 2015, section 6.3, with exact rather than factored damping).
     """
@@ -302,11 +301,39 @@ def _blockwise(
     return result
 
 
+def _output_gradients(
+    output: Tensor, calls: dict[nn.Module, list[ModuleCall]], vectors: Tensor
+) -> dict[nn.Module, list[Tensor]]:
+    """g_k = (dz/df)^T s_k for the output z of every call, each [K, *z.shape]: one batched
+    backward for all k and calls; zeros for a z that the model output does not depend on."""
+    flat = [call for layer_calls in calls.values() for call in layer_calls]
+    edges = [_output_edge(call) for call in flat]
+    raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True, allow_unused=True)
+    gradients = iter(
+        g if g is not None else _zeros(len(vectors), call) for g, call in zip(raw, flat)
+    )
+    return {layer: [next(gradients) for _ in layer_calls] for layer, layer_calls in calls.items()}
+
+
+def _output_edge(call: ModuleCall) -> GradientEdge | Tensor:
+    """What autograd differentiates to for the call's output z: the node that produced z and
+    its slot, as the capture took them (an in-place operation after the layer, e.g.
+    ``ReLU(inplace=True)``, does not change them), or z itself if it is a leaf."""
+    node = call.nodes[0]
+    return node if isinstance(node, Tensor) else GradientEdge(*node)
+
+
+def _zeros(K: int, call: ModuleCall) -> Tensor:
+    """The K gradients of a call output that does not reach the model output."""
+    z = call.outputs[0]
+    return torch.zeros(K, *z.shape, dtype=z.dtype, device=z.device)
+
+
 def _input_rows(layer: nn.Module, a: Tensor, joint_bias: bool) -> Tensor:
-    """The rows a_r of the layer input, [N, R, d_in] (+ a column of ones for a joint bias)."""
-    if isinstance(layer, nn.Conv2d):
-        a = F.unfold(a, layer.kernel_size, layer.dilation, layer.padding, layer.stride)
-        a = a.transpose(1, 2)  # [N, positions, C_in kh kw]
+    """The rows a_r of the layer input, [N, R, d_in] (+ a column of ones for a joint bias):
+    for a convolution its unfolded patches, one row per output position."""
+    if isinstance(layer, CONVOLUTIONS):
+        a = unfold(layer, a).transpose(1, 2)  # [N, positions, C_in prod(kernel)]
     a = a.reshape(a.shape[0], -1, a.shape[-1])
     if joint_bias:
         a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
@@ -315,6 +342,6 @@ def _input_rows(layer: nn.Module, a: Tensor, joint_bias: bool) -> Tensor:
 
 def _output_rows(layer: nn.Module, g: Tensor) -> Tensor:
     """The rows g_{k,n,r} of the vectors backpropagated to the layer output, [K, N, R, d_out]."""
-    if isinstance(layer, nn.Conv2d):
-        g = g.flatten(-2).transpose(-1, -2)  # [K, N, positions, C_out]
+    if isinstance(layer, CONVOLUTIONS):
+        g = g.flatten(3).transpose(-1, -2)  # [K, N, positions, C_out]
     return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

@@ -1,5 +1,6 @@
-"""The secondary screen: MeanGSNR, CABS and EarlyStopping vs step, and the 2d
-gradient/parameter histogram of every parameter."""
+"""The secondary screen: MeanGSNR, CABS and EarlyStopping vs step, the 2d
+gradient/parameter histogram of every parameter, and a generic panel for each of your own
+quantities (:mod:`avionics.dashboard.generic`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from avionics.dashboard.figure import FORMATS, group_frame, save
+from avionics.dashboard.generic import generic_panel, own_quantities
 from avionics.dashboard.gradients import hist2d_panel
 from avionics.dashboard.style import BLUE, ORANGE, empty_panel, series_plot, style_panel
 from avionics.records.reader import as_run
@@ -36,6 +38,19 @@ def series_panel(fig, spec, run, name: str, title: str, ylabel: str) -> Axes:
     return ax
 
 
+def _cells(spec, rows: int, columns: int) -> list:
+    """The cells of a rows x columns grid inside a group's frame, row by row."""
+    grid = spec.subgridspec(
+        rows + 2,
+        columns + 2,
+        height_ratios=[0.12] + [1] * rows + [0.12],
+        width_ratios=[0.03] + [1] * columns + [0.03],
+        hspace=0.45,
+        wspace=0.3,
+    )
+    return [grid[1 + r, 1 + c] for r in range(rows) for c in range(columns)]
+
+
 def plot_secondary(source, path: str | os.PathLike | None = None) -> Figure:
     """Draw the secondary screen of ``source`` (run log path, Run or Cockpit) and save it to
     ``path`` (.png, .pdf or .svg) if given. The per-parameter histograms need GradHist2d
@@ -47,11 +62,13 @@ def plot_secondary(source, path: str | os.PathLike | None = None) -> Figure:
     per_parameter = parameter_histograms(hist2d) if isinstance(hist2d, dict) else []
     columns = max(3, math.ceil(math.sqrt(len(per_parameter))))
     rows = max(1, math.ceil(len(per_parameter) / columns))
-    fig = Figure(figsize=(6 * columns, 5 + 5 * rows))
+    own = own_quantities(run)
+    own_rows = math.ceil(len(own) / columns)
+    fig = Figure(figsize=(6 * columns, 5 + 5 * rows + 5 * own_rows))
     outer = fig.add_gridspec(
-        2,
+        2 + (own_rows > 0),
         1,
-        height_ratios=[1, 1.3 * rows],
+        height_ratios=[1, 1.3 * rows] + ([1.2 * own_rows] if own_rows else []),
         hspace=0.12,
         left=0.03,
         right=0.97,
@@ -77,18 +94,13 @@ def plot_secondary(source, path: str | os.PathLike | None = None) -> Figure:
         )
     else:
         names = run.parameter_names
-        grid = outer[1].subgridspec(
-            rows + 2,
-            columns + 2,
-            height_ratios=[0.12] + [1] * rows + [0.12],
-            width_ratios=[0.03] + [1] * columns + [0.03],
-            hspace=0.45,
-            wspace=0.3,
-        )
-        for i, value in enumerate(per_parameter):
+        for i, (cell, value) in enumerate(zip(_cells(outer[1], rows, columns), per_parameter)):
             name = names[i] if i < len(names) else f"parameter {i}"
-            cell = grid[1 + i // columns, 1 + i % columns]
             hist2d_panel(fig, cell, value, f"{name} (step {step})")
+    if own:
+        group_frame(fig, outer[2], "YOUR INSTRUMENTS", BLUE)
+        for cell, name in zip(_cells(outer[2], own_rows, columns), own):
+            generic_panel(fig, cell, run, name)
     fig.suptitle("Cockpit: secondary screen", fontsize="xx-large", fontweight="bold")
     if path is not None:
         save(fig, path)

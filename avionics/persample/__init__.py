@@ -1,7 +1,17 @@
-"""The per-sample statistics engine (see :mod:`avionics.persample.engine`)."""
+"""The per-sample statistics engine (see :mod:`avionics.persample.engine` for the routing of
+parameters to module calls, :mod:`avionics.persample.step` for one step's statistics)."""
 
 from avionics.persample.capture import Capture, ModuleCall
 from avionics.persample.engine import PerSampleEngine
 from avionics.persample.request import OuterProducts, Request, Statistics
+from avionics.persample.step import CapturedStep
 
-__all__ = ["Capture", "ModuleCall", "OuterProducts", "PerSampleEngine", "Request", "Statistics"]
+__all__ = [
+    "Capture",
+    "CapturedStep",
+    "ModuleCall",
+    "OuterProducts",
+    "PerSampleEngine",
+    "Request",
+    "Statistics",
+]

@@ -75,13 +75,13 @@ class Request:
         )
 
     @property
-    def statistics(self) -> bool:
+    def asks_statistics(self) -> bool:
         """Whether any per-sample statistic is asked for."""
         return self.sq_norms or self.sum_sq or bool(self.directions) or bool(self.visitors)
 
     def __bool__(self) -> bool:
         """Whether the step's layer calls must be captured."""
-        return self.statistics or self.calls
+        return self.asks_statistics or self.calls
 
 
 @dataclass

@@ -1,7 +1,9 @@
-"""The cockpit's instruments, one small module per idea (see SPEC section 2)."""
+"""The cockpit's instruments, one small module per idea (see SPEC section 2), and the public
+protocol to write your own (:mod:`avionics.quantities.base`)."""
 
+from avionics.persample import Request, Statistics
 from avionics.quantities.alpha import Alpha
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
 from avionics.quantities.clock import Time
 from avionics.quantities.curvature import HessTrace, TICDiag, TICTrace
 from avionics.quantities.distance import Distance
@@ -10,12 +12,47 @@ from avionics.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
 from avionics.quantities.hess_max_ev import HessMaxEV
 from avionics.quantities.histograms import GradAbsMax, GradHist1d, GradHist2d, ParamAbsMax
 from avionics.quantities.loss import Loss
+from avionics.quantities.outputs import (
+    HISTOGRAM_1D,
+    HISTOGRAM_2D,
+    SCALAR,
+    TENSORS,
+    Output,
+    per_parameter,
+)
 from avionics.quantities.parameters import Parameters
 from avionics.quantities.update_size import UpdateSize
 from avionics.quantities.variance import CABS, EarlyStopping, MeanGSNR
 
+BUILTIN = (
+    Alpha,
+    CABS,
+    Distance,
+    EarlyStopping,
+    GradHist1d,
+    GradHist2d,
+    GradNorm,
+    HessMaxEV,
+    HessTrace,
+    InnerTest,
+    Loss,
+    MeanGSNR,
+    NormTest,
+    OrthoTest,
+    Parameters,
+    TICDiag,
+    TICTrace,
+    Time,
+    UpdateSize,
+)
+# How the values of the built-in quantities read, for logs whose metadata does not say
+# (older logs, the reference tool's JSON logs).
+BUILTIN_OUTPUTS: dict[str, Output] = {cls.__name__: cls.output for cls in BUILTIN}
+
 __all__ = [
     "Alpha",
+    "BUILTIN",
+    "BUILTIN_OUTPUTS",
     "CABS",
     "Distance",
     "EarlyStopping",
@@ -23,6 +60,8 @@ __all__ = [
     "GradHist1d",
     "GradHist2d",
     "GradNorm",
+    "HISTOGRAM_1D",
+    "HISTOGRAM_2D",
     "HessMaxEV",
     "HessTrace",
     "InnerTest",
@@ -30,12 +69,19 @@ __all__ = [
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
+    "Output",
     "ParamAbsMax",
     "Parameters",
     "Quantity",
+    "Request",
+    "SCALAR",
+    "Statistics",
     "StepData",
+    "TENSORS",
     "TICDiag",
     "TICTrace",
     "Time",
+    "TwoStepQuantity",
     "UpdateSize",
+    "per_parameter",
 ]

@@ -9,7 +9,7 @@ alpha = tau / x* - 1 with x* = -w2 / (2 w3), or -1 when w3 < 0. Stored under the
 
 The projections at t need s, which for most optimizers exists only after ``optimizer.step()``:
 
-* plain SGD (one learning rate, no momentum, weight decay, nesterov or maximize): s = -lr * g
+* plain SGD (:mod:`avionics.quantities.plain_sgd`): s = -lr * g
   is known at t and (g_n . s) / tau = -(g_n . g) / ||g||, the "grad" projections the engine
   computes anyway (shared with the gradient tests), and ||g||^2 = mean_n g_n . g comes with
   them. Only s / tau is kept until t+1: a copy of the gradient, except for Linear weights
@@ -18,7 +18,7 @@ The projections at t need s, which for most optimizers exists only after ``optim
   instead of N I O; :mod:`avionics.persample.rules.factored`). (This assumes that the
   optimizer steps every tracked parameter on its gradient as the cockpit saw it: no gradient
   clipping between the backward and ``optimizer.step()``.)
-* every other optimizer: theta_t and the start step's ``StepData.per_sample`` (its captured
+* every other optimizer: theta_t and the start step's ``StepData.captured`` (its captured
   layer inputs and output gradients, never N x D per-sample gradients) are kept until s can
   be measured, and the start step's g_n are projected onto it in one pass of the engine, with
   theta_t swapped back in; both steps' projections onto s are divided by tau. s is measured
@@ -46,29 +46,30 @@ from torch import Tensor
 
 from avionics.persample import Request
 from avionics.persample.rules.factored import FactoredDirection
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import StepData, TwoStepQuantity
+from avionics.quantities.plain_sgd import plain_sgd_learning_rate
 
 # Replaces a zero variance in the weights 1 / variance of the fit.
 MIN_VARIANCE = 1e-10
 _DIRECTION = "Alpha"
 
 
-class Alpha(Quantity):
+class Alpha(TwoStepQuantity):
+    """The normalized step length of the noise-aware quadratic fit along the update (see the
+    module docstring): 0 means the step landed on the fitted minimum, 1 that it jumped to the
+    mirror point, -1 no motion or no minimum. Stored under the start step t."""
+
     info_keys = ("individual_losses", "batch_size", "optimizer")
 
     def __init__(self, schedule=None):
         super().__init__(schedule)
-        self._start: _Start | None = None
         self._plain_sgd: bool | None = None  # of the optimizer seen at the last start
         # measure s when optimizer.step() returns (until the parameters once changed after it)
         self._at_optimizer_step = True
 
-    def is_active(self, step: int) -> bool:
-        return self._start is not None or self.schedule(step)
-
     def request(self, step: int) -> Request:
         directions = set()
-        if self._start is not None:
+        if self.pending is not None:
             directions.add(_DIRECTION)  # g_n . s / tau at the end step
         if self.schedule(step) and (self._plain_sgd is not False or not directions):
             # the start projections of plain SGD; for any other optimizer (known from the last
@@ -76,26 +77,50 @@ class Alpha(Quantity):
             directions.add("grad")
         return Request(directions=frozenset(directions))
 
-    def directions(self, data: StepData) -> dict[str, list[Tensor]]:
-        if self._start is None:
+    def prepare(self, data: StepData) -> dict[str, list[Tensor]]:
+        if self.pending is None:
             return {}
-        start = self._start
+        start = self.pending[1]
         start.finish_update(data.params)
         return {_DIRECTION: start.unit}
 
-    def compute(self, data: StepData):
-        values = {}
-        if self._start is not None:
-            start, self._start = self._start, None
-            value = start.alpha(data)
-            if value is None:  # the parameters changed after optimizer.step()
-                self._at_optimizer_step = False
-            else:
-                values[start.step] = value
-        if self.schedule(data.step):
-            self._start = _Start.at(data, self._at_optimizer_step)
-            self._plain_sgd = self._start.per_sample is None
-        return values
+    def start(self, data: StepData) -> _Start:
+        start = _Start.at(data, self._at_optimizer_step)
+        self._plain_sgd = start.captured is None
+        return start
+
+    def finish(self, kept: _Start, data: StepData) -> float | None:
+        value = kept.alpha(data)
+        if value is None:  # the parameters changed after optimizer.step()
+            self._at_optimizer_step = False
+        return value
+
+    def state_dict(self) -> dict:
+        """The pending start (its observations and the measured update) and what Alpha learnt
+        of the optimizer. A start whose update is not measured yet (before
+        ``optimizer.step()`` returned, or without its hook) holds the step's captured layer
+        calls, which cannot be saved: it is left out, with a warning."""
+        state = {"plain_sgd": self._plain_sgd, "at_optimizer_step": self._at_optimizer_step}
+        if self.pending is not None and self.pending[1].unit is None:
+            warnings.warn(
+                f"Alpha: the start at step {self.pending[0]} has not measured its update yet "
+                "(save the state after optimizer.step()); it is left out of the state.",
+                stacklevel=2,
+            )
+            return state
+        return {**state, **super().state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self._plain_sgd = state.pop("plain_sgd", None)
+        self._at_optimizer_step = state.pop("at_optimizer_step", True)
+        super().load_state_dict(state)
+
+    def save_kept(self, kept: _Start) -> dict:
+        return kept.saved()
+
+    def load_kept(self, saved: dict) -> _Start:
+        return _Start.restored(saved)
 
 
 class _Start:
@@ -114,7 +139,7 @@ class _Start:
         self.tau: Tensor | None = None
         self.projections: Tensor | None = None  # (g_n . s) / tau at the start, [N]
         self.params: list[Tensor] | None = None  # theta_t, when s is measured
-        self.per_sample = None
+        self.captured = None  # the start step's CapturedStep, until s is measured
         self._hook = None  # on the optimizer's step, while it is awaited
         self._stepped: list[Tensor] | None = None  # the parameters, updated by the step
         self._norms: Tensor | None = None  # their norms when the step returned
@@ -123,7 +148,7 @@ class _Start:
     def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
         start = cls(data.step, _checked_losses(data))
         optimizer = data.optimizer
-        lr = _plain_sgd_learning_rate(optimizer)
+        lr = plain_sgd_learning_rate(optimizer)
         if lr is not None and "grad" in data.statistics.projections:
             # s = -lr * p.grad, and p.grad = c * g with c > 0 (c = N for a sum-reduced loss):
             # s / tau = -p.grad / ||p.grad|| and (g_n . s) / tau = -(g_n . g) / ||g||, from the
@@ -142,10 +167,10 @@ class _Start:
                     f"Step {data.step}: Alpha reads info['optimizer'], which must be the "
                     f"optimizer that updates the parameters; got {type(optimizer).__name__}."
                 )
-            if data.per_sample is None:
+            if data.captured is None:
                 raise RuntimeError(f"Step {data.step}: Alpha needs the step's per-sample data.")
             start.params = data.params_copy()
-            start.per_sample = data.per_sample
+            start.captured = data.captured
             register = getattr(optimizer, "register_step_post_hook", None)
             if at_optimizer_step and register is not None:
                 start._stepped = data.params
@@ -175,11 +200,37 @@ class _Start:
         self.unit = torch._foreach_sub(params, self.params)
         self.tau = torch.linalg.vector_norm(_norms(self.unit))
         self.per_tau = 1 / _positive(self.tau)
-        stats = self.per_sample(
+        stats = self.captured.statistics(
             Request(directions=frozenset({_DIRECTION})), {_DIRECTION: self.unit}, self.params
         )
         self.projections = _summed(stats.projections[_DIRECTION]) * self.per_tau
-        self.params, self.per_sample = None, None  # release theta_t and the start's capture
+        self.params, self.captured = None, None  # release theta_t and the start's capture
+
+    _SAVED = ("step", "n", "f", "var_f", "per_tau", "tau", "projections", "_norms")
+
+    def saved(self) -> dict:
+        """This start, once its update is measured, as tensors and plain values."""
+        unit = [
+            {"delta": u.delta, "x": u.x, "coef": u.coef, "shape": list(u.shape)}
+            if isinstance(u, FactoredDirection)
+            else u
+            for u in self.unit
+        ]
+        return {**{key: getattr(self, key) for key in self._SAVED}, "unit": unit}
+
+    @classmethod
+    def restored(cls, saved: dict) -> _Start:
+        """The inverse of :meth:`saved`."""
+        start = cls.__new__(cls)
+        cls.__init__(start, int(saved["step"]), torch.zeros(2))
+        for key in cls._SAVED:
+            setattr(start, key, saved[key])
+        start.unit = [
+            FactoredDirection(u["delta"], u["x"], u["coef"], u["shape"]) if isinstance(u, dict)
+            else u
+            for u in saved["unit"]
+        ]  # fmt: skip
+        return start
 
     def alpha(self, data: StepData) -> float | None:
         """Alpha of this start and the end step ``data`` (None, with a warning, where the
@@ -242,8 +293,8 @@ def _unit_step(data: StepData, grad_norm: Tensor, g_norm: Tensor) -> list:
     -g / ||g|| = -1 / (N ||g||) sum_m delta_m x_m^T (see
     :mod:`avionics.persample.rules.factored`), which the next step projects onto at a cost of
     N^2 (I + O) instead of N I O."""
-    factors = data.extra.get("mean_gradient_factors")
-    factors = factors() if factors is not None else [None] * len(data.grads)
+    captured = data.captured
+    factors = captured.mean_gradient_factors() if captured else [None] * len(data.grads)
     n = len(data.individual_losses)
     dense = [k for k, f in enumerate(factors) if f is None]
     unit: list = [None] * len(data.grads)
@@ -306,20 +357,3 @@ def _norms(tensors: list[Tensor]) -> Tensor:
 def _positive(value: Tensor) -> Tensor:
     """``value``, or the smallest positive number where it is zero (for divisions of zero)."""
     return value.clamp_min(torch.finfo(value.dtype).tiny)
-
-
-def _plain_sgd_learning_rate(optimizer) -> float | None:
-    """The single learning rate of plain SGD, or None for any other update rule."""
-    if type(optimizer) is not torch.optim.SGD:
-        return None
-    lrs = set()
-    for group in optimizer.param_groups:
-        if (
-            group.get("momentum", 0)
-            or group.get("weight_decay", 0)
-            or group.get("nesterov", False)
-            or group.get("maximize", False)
-        ):
-            return None
-        lrs.add(float(group["lr"]))
-    return lrs.pop() if len(lrs) == 1 else None

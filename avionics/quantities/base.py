@@ -1,39 +1,70 @@
-"""The protocol every cockpit instrument follows.
+"""The protocol every cockpit instrument follows (public: write your own).
 
-A quantity says, for a step, whether it is active, which ``info`` keys it reads, which
-per-sample statistics it needs (a :class:`~avionics.persample.Request`) and whether it needs
-the backward graph; after the backward it turns a :class:`StepData` into values keyed by the
-step they belong to (two-step quantities store under their start step).
+A :class:`Quantity` has a schedule and, for each step it is active at, three hooks that the
+cockpit calls in this order:
+
+1. ``request(step) -> Request``, before the forward of the step is captured: the per-sample
+   statistics it needs (sums of squared per-sample gradient norms, per-coordinate second
+   moments, projections g_n . v onto named directions, visitors of chunks of g_n). A
+   non-empty request makes the cockpit capture the step, which needs
+   ``info["individual_losses"]``: that key is then required automatically.
+2. ``prepare(data) -> {name: direction}``, after the backward and before the per-sample
+   statistics are computed: start-of-step work, and the tensors (one per parameter) of the
+   directions it named in its request.
+3. ``compute(data) -> {step: value}``: values keyed by the step they belong to (usually
+   ``{data.step: value}``; a two-step quantity stores under its start step, see
+   :class:`TwoStepQuantity`).
+
+Each class declares its ``output`` (:mod:`avionics.quantities.outputs`): how the run log's
+readers, the exports and the dashboard read its value.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from avionics.persample import Request, Statistics
+from avionics.persample import CapturedStep, Request, Statistics
+from avionics.quantities.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
+
+# The info key every non-empty request implies: the per-sample losses give N and whether the
+# loss is their mean or their sum.
+PER_SAMPLE_LOSSES = "individual_losses"
 
 
 @dataclass
 class StepData:
     """Everything a quantity may read at one step, after the backward, before the update.
 
-    ``mean_grad`` is g = mean_n g_n (= p.grad for a mean-reduced loss, p.grad / N for a sum);
-    ``statistics`` holds the per-sample statistics requested for this step.
-
-    ``per_sample(request, directions, params=None) -> Statistics`` (set on steps that captured
-    per-sample information, else None) computes further statistics of *this* step's per-sample
-    gradients on demand, e.g. projections onto a direction only known later (Alpha projects
-    the start step's g_n onto theta_{t+1} - theta_t). It stays valid as long as a quantity keeps
-    a reference to it, which keeps this step's captured layer inputs and output gradients
-    alive: drop it as soon as it is used. Once the parameters have changed (after
-    ``optimizer.step()``), pass ``params``, their values at this step: they are swapped in
-    while it runs, for the rules that re-run a module's forward.
+    Attributes:
+        step: the step number t.
+        params: theta_t, the tracked parameters' values (detached; do not modify).
+        names: the tracked parameters' names, in the order of every per-parameter list.
+        loss: the loss the user backpropagated (detached).
+        info: the ``info`` dict passed to ``cockpit(step, info)``.
+        reduction: ``"mean"`` or ``"sum"``: how ``loss`` relates to the per-sample losses.
+        batch_size: N (None when neither per-sample losses nor a batch size were given).
+        individual_losses: the per-sample losses l_n (detached), or None.
+        grads: ``p.grad`` of each tracked parameter (zeros where none arrived), detached.
+        mean_grad: g = mean_n g_n (= ``p.grad`` for a mean-reduced loss, ``p.grad / N`` for
+            a sum).
+        graph_grads: ``p.grad`` as the backward left it, with its graph when the backward
+            ran with ``create_graph=True`` (None where no gradient arrived).
+        tracked: the tracked parameters themselves (to differentiate against).
+        model: the network.
+        active: the quantities active at this step (to share work between them).
+        statistics: the per-sample statistics of the step's merged request, or None.
+        captured: the step's :class:`~avionics.persample.CapturedStep` on steps with a
+            non-empty request, else None: further statistics of *this* step's g_n on demand
+            (Alpha projects them onto theta_{t+1} - theta_t once it is known). Keeping it
+            keeps the step's captured layer inputs and output gradients alive: drop it as soon
+            as it is used.
+        curvature_diagonals: the curvature diagonals computed at this step, keyed by the
+            settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
     """
 
     step: int
@@ -46,9 +77,13 @@ class StepData:
     individual_losses: Tensor | None
     grads: list[Tensor]
     mean_grad: list[Tensor]
+    graph_grads: list[Tensor | None]
+    tracked: list[nn.Parameter]
+    model: nn.Module
+    active: tuple[Quantity, ...] = ()
     statistics: Statistics | None = None
-    extra: dict = field(default_factory=dict)
-    per_sample: Callable[..., Statistics] | None = None
+    captured: CapturedStep | None = None
+    curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
     _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -68,15 +103,18 @@ class StepData:
 
 
 class Quantity:
-    """Base class: a schedule, the info keys read, and :meth:`compute`.
+    """Base class of the cockpit's instruments: a schedule and the three hooks above.
 
-    Subclasses set ``info_keys`` (keys of ``info`` they read besides ``"loss"``),
-    ``create_graph`` (True when they differentiate the gradient again), and implement
-    :meth:`compute`; per-sample quantities override :meth:`request`.
+    Subclasses set ``info_keys`` (keys of ``info`` they read besides ``"loss"``; those their
+    request implies are added by :meth:`required_info`), ``create_graph`` (True when they
+    differentiate the gradient again), ``output`` (what their value is), and implement
+    :meth:`compute`; per-sample quantities override :meth:`request`. A quantity with state
+    that a resumed run needs overrides :meth:`state_dict` and :meth:`load_state_dict`.
     """
 
     info_keys: tuple[str, ...] = ()
     create_graph: bool = False
+    output: Output = SCALAR
 
     def __init__(self, schedule: Schedule | None = None):
         if schedule is not None and not callable(schedule):
@@ -88,6 +126,7 @@ class Quantity:
 
     @property
     def name(self) -> str:
+        """The name the values are stored under: the class name."""
         return type(self).__name__
 
     def describe(self) -> str:
@@ -101,22 +140,91 @@ class Quantity:
         """The per-sample statistics this quantity reads at ``step``."""
         return Request()
 
-    def directions(self, data: StepData) -> dict[str, list[Tensor]]:
-        """Directions (beyond "grad") this quantity projects per-sample gradients on.
+    def required_info(self, step: int) -> tuple[str, ...]:
+        """The ``info`` keys the step needs: ``info_keys`` and those the request implies."""
+        if self.request(step) and PER_SAMPLE_LOSSES not in self.info_keys:
+            return (PER_SAMPLE_LOSSES, *self.info_keys)
+        return self.info_keys
 
-        Called on steps with a non-empty request, after the backward and before the engine
-        runs (the last point where a quantity sees ``data`` before its visitors are called).
+    def prepare(self, data: StepData) -> dict[str, list[Tensor]]:
+        """Start-of-step work; return the directions (beyond "grad", the mean gradient) this
+        quantity's request names, one tensor per parameter.
+
+        Called at every step the quantity is active, after the backward and before the
+        per-sample statistics are computed (visitors are called after it).
         """
         return {}
 
     def compute(self, data: StepData) -> dict[int, Any]:
         """Values keyed by the step they belong to (usually ``{data.step: value}``)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{self.name} must implement compute(data).")
+
+    def state_dict(self) -> dict:
+        """What a resumed run needs to continue this quantity (tensors and plain values)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state:
+            raise ValueError(f"{self.name} keeps no state, got {sorted(state)}.")
+
+
+class TwoStepQuantity(Quantity):
+    """A quantity measured between a start step t and the next tracked step, stored under t.
+
+    Subclasses implement :meth:`start` (what step t keeps) and :meth:`finish` (the value from
+    that and the next step's data, or None to store nothing). It is active at the steps of its
+    schedule and at the step after each start; ``pending`` is the start awaiting its end.
+    """
+
+    def __init__(self, schedule: Schedule | None = None):
+        super().__init__(schedule)
+        self.pending: tuple[int, Any] | None = None
+
+    def is_active(self, step: int) -> bool:
+        return self.pending is not None or self.schedule(step)
+
+    def start(self, data: StepData) -> Any:
+        """What the start step keeps until the next tracked step."""
+        raise NotImplementedError(f"{self.name} must implement start(data).")
+
+    def finish(self, kept: Any, data: StepData) -> Any | None:
+        """The value of the start that kept ``kept``, from the next tracked step's ``data``."""
+        raise NotImplementedError(f"{self.name} must implement finish(kept, data).")
+
+    def compute(self, data: StepData) -> dict[int, Any]:
+        values = {}
+        if self.pending is not None:
+            (step, kept), self.pending = self.pending, None
+            value = self.finish(kept, data)
+            if value is not None:
+                values[step] = value
+        if self.schedule(data.step):
+            self.pending = (data.step, self.start(data))
+        return values
+
+    def state_dict(self) -> dict:
+        if self.pending is None:
+            return {}
+        step, kept = self.pending
+        return {"pending_step": step, "pending": self.save_kept(kept)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = None
+        if state:
+            self.pending = (int(state["pending_step"]), self.load_kept(state["pending"]))
+
+    def save_kept(self, kept: Any) -> Any:
+        """``kept`` as tensors and plain values (default: as it is)."""
+        return kept
+
+    def load_kept(self, saved: Any) -> Any:
+        """The inverse of :meth:`save_kept`."""
+        return saved
 
 
 def global_norm_squared(tensors: list[Tensor]) -> Tensor:
     """sum_k ||t_k||^2 over a list of tensors."""
-    # vector_norm reads each tensor once without a squared copy: ~3x faster than pow(2).sum()
     return sum(torch.linalg.vector_norm(t).square() for t in tensors)
 
 
@@ -129,28 +237,3 @@ def per_parameter_distances(a: list[Tensor], b: list[Tensor]) -> Tensor:
     """[||a_1 - b_1||, ..., ||a_K - b_K||] as one tensor; one difference exists at a time (the
     differences of all parameters at once would be a model-sized temporary)."""
     return torch.stack([(x - y).norm() for x, y in zip(a, b, strict=True)])
-
-
-def require_plain_sgd(quantity: Quantity, optimizer) -> float:
-    """The learning rate of a plain SGD optimizer; a clear error for anything else."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        raise ValueError(
-            f"{quantity.name} is defined for plain SGD only (torch.optim.SGD without momentum "
-            f"or weight decay); info['optimizer'] is {type(optimizer).__name__}. Remove "
-            f"{quantity.name} from the cockpit's quantities for this optimizer."
-        )
-    lrs = set()
-    for group in optimizer.param_groups:
-        if group.get("momentum", 0) or group.get("weight_decay", 0) or group.get("nesterov"):
-            raise ValueError(
-                f"{quantity.name} is defined for plain SGD only; this SGD has momentum="
-                f"{group.get('momentum')}, weight_decay={group.get('weight_decay')}. Set them "
-                f"to 0 or remove {quantity.name}."
-            )
-        lrs.add(float(group["lr"]))
-    if len(lrs) != 1:
-        raise ValueError(
-            f"{quantity.name} needs one learning rate; the optimizer's parameter groups have "
-            f"{sorted(lrs)}."
-        )
-    return lrs.pop()

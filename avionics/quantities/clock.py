@@ -6,5 +6,7 @@ from avionics.quantities.base import Quantity, StepData
 
 
 class Time(Quantity):
+    """The wall-clock time, in seconds since the epoch, when the step's backward finished."""
+
     def compute(self, data: StepData):
         return {data.step: time.time()}

@@ -6,12 +6,11 @@ exact Hessian diagonal of a network that is not piecewise linear differentiates 
 again; the GGN diagonals (and diag_h of piecewise-linear networks, which equals the GGN's) only
 backpropagate loss-Hessian-root columns through the forward graph of
 ``info['individual_losses']``, but a backward without ``create_graph`` frees that graph, and
-the protocol has no other way to keep it (``create_graph=True`` implies ``retain_graph``). What
-it adds to the backward is small next to the diagonal itself (measured: under 0.15x a plain
-step on the benchmark MLP and CNNs).
+the protocol has no other way to keep it (``create_graph=True`` implies ``retain_graph``); what
+that costs is in BENCHMARKS.md.
 
 With h the curvature diagonal of the mean loss (selectable, see
-:mod:`avionics.persample.second_order`: ``"diag_h"`` exact Hessian diagonal (default),
+:mod:`avionics.curvature.step`: ``"diag_h"`` exact Hessian diagonal (default),
 ``"diag_ggn_exact"``, ``"diag_ggn_mc"`` seedable) and m2_d = mean_n g_{n,d}^2:
 
     HessTrace = per parameter sum_d h_d
@@ -21,7 +20,7 @@ With h the curvature diagonal of the mean loss (selectable, see
 HessTrace and TICTrace read only the sums of h per parameter. When no TICDiag with the same
 settings runs at the step, only those sums are computed: for the GGN diagonals they come from
 per-sample squared norms, which Linear layers have in closed form (much cheaper than the
-diagonal itself, see :func:`~avionics.persample.second_order.ggn_diagonal`).
+diagonal itself, see :func:`~avionics.curvature.step.ggn_diagonal.ggn_diagonal`).
 
 None of them touches the global random number generator.
 """
@@ -31,28 +30,29 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from avionics.persample import Request
-from avionics.persample.second_order import (
+from avionics.curvature.step import VARIANTS
+from avionics.curvature.step.ggn_diagonal import ggn_diagonal
+from avionics.curvature.step.hessian_diagonal import (
     MAX_PROBES,
-    VARIANTS,
-    ggn_diagonal,
     hessian_diagonal_by_probes,
     not_piecewise_linear,
 )
+from avionics.persample import Request
 from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.outputs import per_parameter
 from avionics.schedules import Schedule
 
 PER_SAMPLE_KEYS = ("individual_losses",)
 
 
 def _graph_grads(quantity: Quantity, data: StepData) -> list[Tensor]:
-    grads = data.extra.get("graph_grads")
+    """``p.grad`` with its graph per parameter (zeros where none arrived); a clear error when
+    the backward kept no graph at all."""
+    grads = data.graph_grads
     missing = [
-        name
-        for name, g in zip(data.names, grads or [None] * len(data.names), strict=True)
-        if g is None or g.grad_fn is None
+        name for name, g in zip(data.names, grads, strict=True) if g is None or g.grad_fn is None
     ]
-    if grads is None or len(missing) == len(data.names):
+    if len(missing) == len(data.names):
         raise RuntimeError(
             f"Step {data.step}: {quantity.name} differentiates the gradient again, but the "
             "backward kept no graph. Call loss.backward(create_graph=cockpit.create_graph(step))."
@@ -64,7 +64,16 @@ def _graph_grads(quantity: Quantity, data: StepData) -> list[Tensor]:
 
 
 class _Curvature(Quantity):
-    """Shared: the curvature diagonal h of the mean loss, computed once per step."""
+    """Shared: the curvature diagonal h of the mean loss, computed once per step.
+
+    Args:
+        schedule: the steps to track (default every step).
+        curvature: ``"diag_h"`` (exact Hessian diagonal), ``"diag_ggn_exact"`` or
+            ``"diag_ggn_mc"`` (see :mod:`avionics.curvature.step`).
+        mc_samples: draws per step of the MC GGN diagonal.
+        seed: the MC draws' seed (with the step number; the global RNG is untouched).
+        max_probes: the most Hessian-vector products the exact Hessian diagonal may take.
+    """
 
     info_keys = PER_SAMPLE_KEYS
     create_graph = True
@@ -106,21 +115,21 @@ class _Curvature(Quantity):
 
     def _cached(self, data: StepData, diagonal: bool) -> dict:
         """This step's {"sums": per-parameter sums of h} and, where a curvature quantity with
-        the same settings reads it (``data.extra["quantities"]``, the step's active ones, or
-        ``diagonal``), {"h": the diagonal}: computed once per step and shared."""
+        the same settings reads it (among ``data.active``, or ``diagonal``), {"h": the
+        diagonal}: computed once per step and shared."""
         key = self._key()
-        entry = data.extra.get(key)
+        entry = data.curvature_diagonals.get(key)
         if entry is None or (diagonal and "h" not in entry):
             diagonal = diagonal or any(
                 isinstance(q, _Curvature) and q.needs_diagonal and q._key() == key
-                for q in data.extra.get("quantities", ())
+                for q in data.active
             )
             if diagonal:
                 h = self._diagonal(data)
                 entry = {"h": h, "sums": torch.stack([d.sum() for d in h])}
             else:  # the GGN's sums alone are cheaper (squared norms instead of squares)
                 entry = {"sums": torch.stack(self._diagonal(data, traces=True))}
-            data.extra[key] = entry
+            data.curvature_diagonals[key] = entry
         return entry
 
     def diagonal(self, data: StepData) -> list[Tensor]:
@@ -133,7 +142,7 @@ class _Curvature(Quantity):
 
     def _diagonal(self, data: StepData, traces: bool = False) -> list[Tensor]:
         """h, one tensor per parameter; with ``traces``, only sum_d h_d (0-dim tensors)."""
-        model = data.extra["model"]
+        model = data.model
         losses = data.info["individual_losses"]
         variant = self.curvature
         if variant == "diag_h":
@@ -150,7 +159,7 @@ class _Curvature(Quantity):
                     )
                 scale = 1.0 / data.batch_size if data.reduction == "sum" else 1.0
                 grads = _graph_grads(self, data)
-                h = hessian_diagonal_by_probes(grads, data.extra["tracked"], scale)
+                h = hessian_diagonal_by_probes(grads, data.tracked, scale)
                 return [d.sum() for d in h] if traces else h
             variant = "diag_ggn_exact"  # equal for piecewise-linear networks
         if losses.grad_fn is None:
@@ -163,8 +172,8 @@ class _Curvature(Quantity):
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + data.step)
         return ggn_diagonal(
             model,
-            data.extra["engine"],
-            data.extra["calls"],
+            data.captured.engine,
+            data.captured.calls,
             losses,
             data.params,
             mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
@@ -175,9 +184,10 @@ class _Curvature(Quantity):
 
 class HessTrace(_Curvature):
     """Per parameter, the sum of the curvature diagonal h of the mean loss (the Hessian trace
-    for ``curvature="diag_h"``)."""
+    for ``curvature="diag_h"``); globally their sum."""
 
     needs_sum_sq = False
+    output = per_parameter("sum")
 
     def compute(self, data: StepData):
         return {data.step: self.diagonal_sums(data)}

@@ -1,8 +1,14 @@
 """GradNorm: ||g^(k)|| per parameter k, g = mean_n g_n; the global norm is their RSS."""
 
 from avionics.quantities.base import Quantity, StepData, per_parameter_norms
+from avionics.quantities.outputs import per_parameter
 
 
 class GradNorm(Quantity):
+    """Per parameter k, ||g^(k)|| with g = mean_n g_n the mini-batch gradient; the global
+    norm ||g|| = sqrt(sum_k ||g^(k)||^2)."""
+
+    output = per_parameter("rss")
+
     def compute(self, data: StepData):
         return {data.step: per_parameter_norms(data.mean_grad)}

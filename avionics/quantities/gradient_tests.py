@@ -23,6 +23,8 @@ PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
 
 
 class _GradientTest(Quantity):
+    """Shared: the statistic from sum_n ||g_n||^2, the projections g_n . g and ||g||^2."""
+
     info_keys = PER_SAMPLE_KEYS
 
     def request(self, step: int) -> Request:
@@ -43,18 +45,27 @@ class _GradientTest(Quantity):
 
 
 class NormTest(_GradientTest):
+    """Norm test (Byrd et al. 2012): sqrt( sum_n ||g_n - g||^2 / ((N-1) N ||g||^2) ), the
+    relative standard error of the mini-batch gradient."""
+
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):
         return ((sq_norms.sum() - n * g_sq) / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
 
 
 class InnerTest(_GradientTest):
+    """Inner-product test (Bollapragada et al. 2018):
+    sqrt( sum_n (g_n . g - ||g||^2)^2 / ((N-1) N ||g||^4) )."""
+
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):
         return ((projections - g_sq).pow(2).sum() / ((n - 1) * n * g_sq.pow(2))).sqrt()
 
 
 class OrthoTest(_GradientTest):
+    """Orthogonality test (Bollapragada et al. 2018):
+    sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) )."""
+
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):
         orthogonal = (sq_norms - projections.pow(2) / g_sq).sum()

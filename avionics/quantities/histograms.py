@@ -20,13 +20,16 @@ step; it applies from the next tracked step on.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import torch
 from torch import Tensor
 
 from avionics.persample import OuterProducts, Request
-from avionics.quantities import binning
 from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.binning import bin_index, count_1d, count_2d
+from avionics.quantities.outputs import HISTOGRAM_1D, HISTOGRAM_2D
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
 
@@ -103,15 +106,25 @@ def _chunk_abs_max(chunk: Tensor | OuterProducts) -> Tensor:
 
 
 class _Histogram(Quantity):
+    """Shared: counts accumulated by a visitor of the per-sample gradient chunks; the range
+    (adapted or not) is what a resumed run needs."""
+
     info_keys = PER_SAMPLE_KEYS
 
     def request(self, step: int) -> Request:
         return Request(visitors=(self._visit,)) if self.schedule(step) else Request()
 
-    def directions(self, data: StepData) -> dict[str, list[Tensor]]:
+    def prepare(self, data: StepData) -> dict[str, list[Tensor]]:
         """Called before the engine visits the chunks: reset this step's counts."""
         self._begin(data)
         return {}
+
+    def state_dict(self) -> dict:
+        return {"range": copy.deepcopy(self.range)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "range" in state:
+            self.range = copy.deepcopy(state["range"])
 
     def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
         raise NotImplementedError
@@ -132,6 +145,8 @@ class GradHist1d(_Histogram):
     Value: ``{"hist": counts [bins], "edges": [bins + 1 edges]}``.
     """
 
+    output = HISTOGRAM_1D
+
     def __init__(self, schedule=None, bins: int = 100, range=(-2.0, 2.0), adapt=None):
         super().__init__(schedule)
         self.bins, self.range = _checked_range(self.name, bins, range)
@@ -145,7 +160,7 @@ class GradHist1d(_Histogram):
     def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
         if self._counts is None:
             self._counts = torch.zeros(self.bins, dtype=torch.int64, device=chunk.device)
-        binning.count_1d(chunk, *self._step_range, self._counts)
+        count_1d(chunk, *self._step_range, self._counts)
         if self.adapt is not None and self.adapt.source == "grad":
             self._max = _larger(self._max, _chunk_abs_max(chunk))
 
@@ -174,6 +189,8 @@ class GradHist2d(_Histogram):
     gradient, as ``numpy.histogram2d(g, theta)``), plus ``"param_hist"``: the per-parameter
     counts in parameter order, when ``per_parameter`` is set.
     """
+
+    output = HISTOGRAM_2D
 
     def __init__(
         self,
@@ -211,14 +228,14 @@ class GradHist2d(_Histogram):
         offset = self._offsets.get(k)
         if offset is None:
             theta = self._params[k].detach().reshape(-1)
-            offset = binning.bin_index(theta, ybins, ylo, yhi).mul_(xbins)
+            offset = bin_index(theta, ybins, ylo, yhi).mul_(xbins)
             self._offsets[k] = offset = offset.to(torch.int32)
         counts = self._counts[k]
         if counts is None:
             counts = self._counts[k] = torch.zeros(
                 xbins * ybins, dtype=torch.int64, device=chunk.device
             )
-        binning.count_2d(chunk, offset, xbins, xlo, xhi, counts)
+        count_2d(chunk, offset, xbins, xlo, xhi, counts)
         if self._track_max:
             self._max = _larger(self._max, _chunk_abs_max(chunk))
 

@@ -4,23 +4,17 @@ Measured from the parameters, so it works for every optimizer: a copy of theta_t
 the tracked step t and compared at the next step the cockpit sees.
 """
 
-from avionics.quantities.base import Quantity, StepData, per_parameter_distances
+from avionics.quantities.base import StepData, TwoStepQuantity, per_parameter_distances
+from avionics.quantities.outputs import per_parameter
 
 
-class UpdateSize(Quantity):
-    def __init__(self, schedule=None):
-        super().__init__(schedule)
-        self.start: tuple[int, list] | None = None
+class UpdateSize(TwoStepQuantity):
+    """Per parameter k, ||theta_{t+1}^(k) - theta_t^(k)||, stored under t; globally the RSS."""
 
-    def is_active(self, step: int) -> bool:
-        return self.start is not None or self.schedule(step)
+    output = per_parameter("rss")
 
-    def compute(self, data: StepData):
-        values = {}
-        if self.start is not None:
-            step, before = self.start
-            values[step] = per_parameter_distances(data.params, before)
-            self.start = None
-        if self.schedule(data.step):
-            self.start = (data.step, data.params_copy())
-        return values
+    def start(self, data: StepData):
+        return data.params_copy()
+
+    def finish(self, kept, data: StepData):
+        return per_parameter_distances(data.params, kept)

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData, require_plain_sgd
+from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
+from avionics.quantities.plain_sgd import require_plain_sgd
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -28,6 +29,8 @@ def _flat(tensors) -> torch.Tensor:
 
 
 class _SecondMoment(Quantity):
+    """Shared: the per-coordinate second moment m2_d = mean_n g_{n,d}^2."""
+
     info_keys = PER_SAMPLE_KEYS
 
     def request(self, step: int) -> Request:
@@ -44,6 +47,9 @@ class _SecondMoment(Quantity):
 
 
 class MeanGSNR(_SecondMoment):
+    """Mean gradient signal-to-noise ratio (Liu et al. 2020):
+    mean_d g_d^2 / (m2_d - g_d^2 + eps), eps = 1e-5."""
+
     eps = 1e-5
 
     def compute(self, data: StepData):
@@ -52,20 +58,27 @@ class MeanGSNR(_SecondMoment):
 
 
 class CABS(_SecondMoment):
+    """Coupled adaptive batch size (Balles et al. 2017): lr * sum_d (m2_d - g_d^2) / L, the
+    suggested batch size; plain SGD only."""
+
     info_keys = PER_SAMPLE_KEYS + ("optimizer",)
 
     def compute(self, data: StepData):
-        lr = require_plain_sgd(self, data.optimizer)
+        lr = require_plain_sgd(self.name, data.optimizer)
         _, variance = self.moments(data)
         return {data.step: lr * variance.sum() / data.loss}
 
 
 class EarlyStopping(_SecondMoment):
+    """Evidence-based early-stopping criterion (Mahsereci et al. 2017):
+    1 - N * mean_d g_d^2 / (s_d^2 + eps), s_d^2 the unbiased variance, eps = 1e-5; stop when
+    it is positive. Plain SGD only."""
+
     info_keys = PER_SAMPLE_KEYS + ("optimizer",)
     eps = 1e-5
 
     def compute(self, data: StepData):
-        require_plain_sgd(self, data.optimizer)
+        require_plain_sgd(self.name, data.optimizer)
         n = data.batch_size
         g_sq, variance = self.moments(data)
         if n > 1:

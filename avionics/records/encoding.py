@@ -23,24 +23,41 @@ def _nonfinite_name(x: float) -> str:
     return "Infinity" if x > 0 else "-Infinity"
 
 
+def to_python(value: Any) -> Any:
+    """``value`` as plain Python: tensors and numpy arrays and scalars become (nested) lists
+    and numbers, tuples lists, dicts keep their keys; anything else is returned as it is.
+    The one conversion of a cockpit's values, for its output and its sinks."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, dict):
+        return {k: to_python(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_python(v) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy and torch scalars and arrays
+    if callable(tolist):
+        if hasattr(value, "detach"):
+            value = value.detach().cpu()
+        return tolist()
+    return value
+
+
 def to_plain(value: Any, where: str = "value") -> Any:
     """``value`` as JSON-ready Python: dicts with str keys, lists, str, bool, int, finite
     float, None; non-finite floats tagged. ``where`` names the value in error messages."""
+    return _tagged(to_python(value), where)
+
+
+def _tagged(value: Any, where: str) -> Any:
     if value is None or isinstance(value, (bool, str)):
         return value
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
-        return float(value) if math.isfinite(value) else {FLOAT_TAG: _nonfinite_name(value)}
+        return value if math.isfinite(value) else {FLOAT_TAG: _nonfinite_name(value)}
     if isinstance(value, dict):
-        return {str(k): to_plain(v, f"{where}[{k!r}]") for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_plain(v, f"{where}[{i}]") for i, v in enumerate(value)]
-    tolist = getattr(value, "tolist", None)  # numpy and torch scalars and arrays
-    if callable(tolist):
-        if hasattr(value, "detach"):
-            value = value.detach().cpu()
-        return to_plain(tolist(), where)
+        return {str(k): _tagged(v, f"{where}[{k!r}]") for k, v in value.items()}
+    if isinstance(value, list):
+        return [_tagged(v, f"{where}[{i}]") for i, v in enumerate(value)]
     raise TypeError(
         f"{where} is a {type(value).__name__}, which the log cannot store. Pass numbers, "
         "strings, lists, dicts, numpy arrays or tensors (convert other objects first)."

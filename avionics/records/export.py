@@ -20,15 +20,8 @@ from pathlib import Path
 import numpy as np
 
 from avionics.records.run import Run
-from avionics.records.series import (
-    NORM_QUANTITIES,
-    SUM_QUANTITIES,
-    global_value,
-    parameter_histograms,
-    scalar_names,
-)
+from avionics.records.series import global_value, parameter_histograms, scalar_names
 
-HISTOGRAMS = ("GradHist1d", "GradHist2d")
 _RENAMED_FOR_COCKPIT = {"epoch": "epoch_count"}
 
 
@@ -45,7 +38,7 @@ def to_csv(run: Run, path: str | os.PathLike) -> Path:
     per_parameter = {
         name: max(len(v[name]) for v in run.steps.values() if isinstance(v.get(name), list))
         for name in names
-        if name in NORM_QUANTITIES + SUM_QUANTITIES
+        if run.output(name).is_per_parameter
         and any(isinstance(v.get(name), list) for v in run.steps.values())
     }
     header = ["step"]
@@ -60,7 +53,7 @@ def to_csv(run: Run, path: str | os.PathLike) -> Path:
             row = [str(step)]
             for name in names:
                 value = values.get(name)
-                row.append(_csv_cell(None if value is None else global_value(name, value)))
+                row.append(_csv_cell(None if value is None else global_value(run, name, value)))
                 for i in range(per_parameter.get(name, 0)):
                     has = isinstance(value, list) and i < len(value)
                     row.append(_csv_cell(float(value[i]) if has else None))
@@ -94,7 +87,7 @@ def to_cockpit_dict(run: Run) -> dict:
     for step, values in run.steps.items():
         entry = {}
         for name, value in values.items():
-            if name in HISTOGRAMS and isinstance(value, dict):
+            if run.output(name).histogram and isinstance(value, dict):
                 value = _cockpit_histogram(value)
             entry[_RENAMED_FOR_COCKPIT.get(name, name)] = value
         output[str(step)] = entry

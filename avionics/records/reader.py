@@ -85,7 +85,7 @@ def as_run(source) -> Run:
     if isinstance(source, Run):
         return source
     if hasattr(source, "get_output"):
-        return Run.from_output(source.get_output())
+        return Run.from_output(source.get_output(), getattr(source, "metadata", None))
     if isinstance(source, (str, os.PathLike)):
         return read_run(source)
     raise TypeError(

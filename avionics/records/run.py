@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from avionics.quantities import BUILTIN_OUTPUTS
+from avionics.quantities.outputs import SCALAR, TENSORS, Output, is_number
+
 
 @dataclass
 class Run:
@@ -40,6 +43,20 @@ class Run:
         return list(parameters) if isinstance(parameters, dict) else []
 
     @property
+    def outputs(self) -> dict[str, Output]:
+        """How each quantity's value reads, as the metadata declares it (``{"outputs": {name:
+        description}}``, see :mod:`avionics.quantities.outputs`)."""
+        declared = self.metadata.get("outputs")
+        if not isinstance(declared, dict):
+            return {}
+        return {name: Output.from_description(d) for name, d in declared.items()}
+
+    def output(self, name: str, value=None) -> Output:
+        """How the values stored under ``name`` read (see
+        :func:`output_of`)."""
+        return output_of(name, self.outputs, value)
+
+    @property
     def names(self) -> list[str]:
         """The names of everything recorded, sorted."""
         return sorted({name for values in self.steps.values() for name in values})
@@ -56,3 +73,15 @@ class Run:
         frame = pd.DataFrame.from_dict(self.steps, orient="index", columns=self.names)
         frame.index.name = "step"
         return frame
+
+
+def output_of(name: str, declared: dict[str, Output], value=None) -> Output:
+    """How the values stored under ``name`` read: as ``declared`` (by a log's metadata), else
+    as the built-in quantity of that name declares it (older logs, the reference tool's), else
+    a scalar for a number (an epoch-level metric from ``cockpit.log``), else
+    :data:`~avionics.quantities.outputs.TENSORS`."""
+    if name in declared:
+        return declared[name]
+    if name in BUILTIN_OUTPUTS:
+        return BUILTIN_OUTPUTS[name]
+    return SCALAR if is_number(value) else TENSORS

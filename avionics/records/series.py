@@ -1,35 +1,18 @@
 """Per-step series of a run: one float per step for every scalar quantity or metric.
 
-Per-parameter quantities are reduced to their global value: the root-sum-of-squares of the
-per-parameter norms (GradNorm, Distance, UpdateSize) and the sum of the per-parameter traces
-(HessTrace). Histograms and parameter copies have no scalar value.
+Each value is read through its quantity's declared output (:mod:`avionics.quantities.outputs`):
+per-parameter values reduce to their global value as declared (the root-sum-of-squares of
+norms, the sum of traces); histograms and parameter copies have no scalar value.
 """
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 import numpy as np
 
-NORM_QUANTITIES = ("GradNorm", "Distance", "UpdateSize")
-SUM_QUANTITIES = ("HessTrace",)
 
-
-def _is_number(x) -> bool:
-    return isinstance(x, Real) and not isinstance(x, bool)
-
-
-def global_value(name: str, value) -> float | None:
+def global_value(run, name: str, value) -> float | None:
     """The scalar value of one recorded value, or None if it has none (histogram, text)."""
-    if _is_number(value):
-        return float(value)
-    if isinstance(value, list) and value and all(_is_number(v) for v in value):
-        if name in SUM_QUANTITIES:
-            return float(math.fsum(value))
-        if name in NORM_QUANTITIES:
-            return math.sqrt(math.fsum(float(v) ** 2 for v in value))
-    return None
+    return run.output(name, value).scalar(value)
 
 
 def series(run, name: str) -> tuple[np.ndarray, np.ndarray]:
@@ -38,7 +21,7 @@ def series(run, name: str) -> tuple[np.ndarray, np.ndarray]:
     points = []
     for step, values in run.steps.items():
         if name in values:
-            value = global_value(name, values[name])
+            value = global_value(run, name, values[name])
             if value is not None:
                 points.append((step, value))
     points.sort()
@@ -50,7 +33,7 @@ def scalar_names(run) -> list[str]:
     """The names that have a scalar value at one step at least, sorted."""
     names = set()
     for values in run.steps.values():
-        names.update(k for k, v in values.items() if global_value(k, v) is not None)
+        names.update(k for k, v in values.items() if global_value(run, k, v) is not None)
     return sorted(names)
 
 

@@ -1,9 +1,10 @@
 """TensorBoard sink: scalars and histograms of a run as TensorBoard event files.
 
-Every value with a scalar (see :mod:`avionics.records.series`) becomes a scalar under its
-name; per-parameter quantities also get ``Name/param_<i>``. ``GradHist1d`` becomes a
-histogram; ``GradHist2d`` becomes its two marginal histograms, ``GradHist2d/gradient`` and
-``GradHist2d/parameter``. Needs the ``tensorboard`` package (the ``tensorboard`` extra).
+Values are read through their quantity's declared output (:mod:`avionics.quantities.outputs`):
+every value with a scalar becomes a scalar under its name; per-parameter values also get
+``Name/param_<i>``. A 1d histogram becomes a histogram; a 2d one becomes its two marginal
+histograms, ``Name/gradient`` and ``Name/parameter`` (axis 0, axis 1). Needs the
+``tensorboard`` package (the ``tensorboard`` extra).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from avionics.records.run import Run
-from avionics.records.series import NORM_QUANTITIES, SUM_QUANTITIES, global_value
+from avionics.quantities.outputs import Output
+from avionics.records.run import Run, output_of
 
 
 def _summary_writer(logdir: str):
@@ -29,12 +30,23 @@ def _summary_writer(logdir: str):
 
 
 class TensorBoardWriter:
-    """Writes step values to TensorBoard event files in ``logdir``; same interface as
-    :class:`~avionics.records.writer.RunWriter` (``write(step, values)``, ``close()``)."""
+    """Writes step values to TensorBoard event files in ``logdir``: a
+    :class:`~avionics.records.sink.Sink`, like :class:`~avionics.records.writer.RunWriter`.
 
-    def __init__(self, logdir: str | os.PathLike):
+    ``outputs`` ({name: Output}) say how values read; the metadata a cockpit hands its sinks
+    adds its quantities' declarations."""
+
+    def __init__(self, logdir: str | os.PathLike, outputs: dict[str, Output] | None = None):
         self.logdir = str(logdir)
+        self.outputs = dict(outputs or {})
         self._writer = _summary_writer(self.logdir)
+
+    def update_metadata(self, metadata: dict) -> None:
+        """Take the declared outputs of the run's quantities (the rest of the metadata has no
+        place in TensorBoard)."""
+        self.outputs.update(
+            {name: Output.from_description(d) for name, d in metadata.get("outputs", {}).items()}
+        )
 
     def _histogram(self, tag: str, counts, edges, step: int) -> None:
         counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
@@ -56,15 +68,16 @@ class TensorBoardWriter:
     def write(self, step: int, values: dict) -> None:
         """Add the scalars and histograms among ``values`` at ``step``, and flush."""
         for name, value in values.items():
-            scalar = global_value(name, value)
+            output = output_of(name, self.outputs, value)
+            scalar = output.scalar(value)
             if scalar is not None:
                 self._writer.add_scalar(name, scalar, global_step=step)
-                if name in NORM_QUANTITIES + SUM_QUANTITIES:
+                if output.is_per_parameter:
                     for i, v in enumerate(value):
                         self._writer.add_scalar(f"{name}/param_{i}", float(v), global_step=step)
-            elif name == "GradHist1d" and isinstance(value, dict):
+            elif output.kind == "histogram_1d" and isinstance(value, dict):
                 self._histogram(name, value["hist"], value["edges"], step)
-            elif name == "GradHist2d" and isinstance(value, dict):
+            elif output.kind == "histogram_2d" and isinstance(value, dict):
                 hist = np.asarray(value["hist"], dtype=np.float64)
                 xedges, yedges = value["edges"]
                 self._histogram(f"{name}/gradient", hist.sum(axis=1), xedges, step)
@@ -79,7 +92,7 @@ class TensorBoardWriter:
 def to_tensorboard(run: Run, logdir: str | os.PathLike, progress: bool = False) -> str:
     """Write a whole run to TensorBoard event files in ``logdir``; return ``logdir``. With
     ``progress``, show a progress bar over the steps."""
-    writer = TensorBoardWriter(logdir)
+    writer = TensorBoardWriter(logdir, run.outputs)
     try:
         items = run.steps.items()
         if progress:

@@ -9,6 +9,7 @@ import scipy.sparse.linalg
 import torch
 
 from avionics.curvature.algorithms import bottom_eigenpairs, spectral_density, top_eigenpairs
+from avionics.curvature.algorithms.lanczos import BlockOperator, LanczosState
 
 DT = torch.float64
 
@@ -92,6 +93,55 @@ def test_budget_and_warm_start():
         top_eigenpairs(A, tol=1e-3, seed=4).num_products
         == top_eigenpairs(A, tol=1e-3, seed=4).num_products
     )
+
+
+@pytest.mark.parametrize("criterion", ["residual", "eigenvalue"])
+def test_warm_start_from_a_state(criterion):
+    """A second call starts from the first one's eigenvector, kept in the state."""
+    A = indefinite(D=150, seed=3)
+    exact = float(torch.linalg.eigvalsh(A)[-1])
+    state = LanczosState()
+    first = top_eigenpairs(Op(A), tol=1e-10, seed=0, criterion=criterion, state=state)
+    assert first.converged and abs(float(first.values[0]) - exact) < 1e-10 * abs(exact)
+    assert state.eigenvalue == pytest.approx(exact, rel=1e-10)
+    torch.testing.assert_close(state.eigenvector, first.vectors[:, 0], rtol=0, atol=0)
+    second = top_eigenpairs(Op(A), tol=1e-10, criterion=criterion, state=state)
+    assert second.converged and abs(float(second.values[0]) - exact) < 1e-10 * abs(exact)
+    assert second.num_products < first.num_products
+
+
+def test_state_storage_rows_are_reused_and_wrap_around():
+    """Calls move the start row through the spare rows, back to row 0, and reallocate for
+    another size; results stay those of a fresh call."""
+    A = symmetric(torch.linspace(-1, 3, 60, dtype=DT), seed=5)
+    state = LanczosState(spare_rows=3)
+    starts = []
+    for _ in range(8):
+        r = top_eigenpairs(A, tol=1e-10, max_basis=10, max_products=2000, state=state)
+        starts.append(state.start)
+        torch.testing.assert_close(r.values, torch.tensor([3.0], dtype=DT))
+    assert state.storage.shape == (14, 60)
+    assert any(b < a for a, b in zip(starts, starts[1:], strict=False))  # back to row 0
+    r = top_eigenpairs(A[:30, :30], tol=1e-10, state=state)
+    assert state.storage.shape[1] == 30 and r.converged
+    torch.testing.assert_close(r.values, torch.linalg.eigvalsh(A[:30, :30])[-1:])
+
+
+def test_block_operator_matches_dense():
+    """Parts per block (one None, a zero block) as for per-parameter Hessian products."""
+    A = indefinite(D=40, seed=7)
+    A[30:] = A[:, 30:] = 0
+    slices = [slice(0, 10), slice(10, 30), slice(30, 40)]
+
+    def apply(v):
+        Av = A @ v
+        return [Av[:10].reshape(2, 5), Av[10:30], None]
+
+    op = BlockOperator(apply, slices, DT, torch.device("cpu"))
+    r = bottom_eigenpairs(op, 2, tol=1e-10, max_products=2000, seed=1)
+    torch.testing.assert_close(r.values, torch.linalg.eigvalsh(A)[:2])
+    with pytest.raises(ValueError, match="criterion"):
+        top_eigenpairs(op, criterion="gap")
 
 
 def test_small_and_degenerate():

@@ -6,6 +6,7 @@ import pytest
 import torch
 from curvature_problems import dense_empirical_fisher, dense_ggn
 from torch import nn
+from torch.nn import functional as F
 
 from avionics.curvature import EKFACOperator, KFACOperator
 
@@ -177,3 +178,95 @@ def test_layers_whose_forward_is_not_called_are_refused():
         KFACOperator(model, loss_fn, ["attention.out_proj.weight", "head.weight"], data)
     K = KFACOperator(model, loss_fn, ["head.weight", "head.bias"], data, fisher_type="type-2")
     assert dense(K).shape == (10, 10)
+
+
+class ExplicitPad(nn.Module):
+    """F.pad(x, pad, mode=mode) as a module, in front of a convolution without padding."""
+
+    def __init__(self, pad: tuple[int, ...], mode: str):
+        super().__init__()
+        self.pad, self.mode = pad, mode
+
+    def forward(self, x):
+        return F.pad(x, self.pad, mode=self.mode)
+
+
+CONVOLUTIONS = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
+
+
+def _padded_and_explicitly_padded(dims: int, padding_mode: str, padding):
+    """Conv(padding, padding_mode) -> Tanh -> Linear, and the same layers with the padding
+    done by F.pad in front of the convolution (padding=0); the same weights."""
+    torch.manual_seed(0)
+    Conv = CONVOLUTIONS[dims]
+    conv = Conv(2, 3, 3, padding=padding, padding_mode=padding_mode).double()
+    unpadded = Conv(2, 3, 3).double()
+    unpadded.load_state_dict(conv.state_dict())
+    X = torch.randn(4, 2, *(5, 6, 4)[:dims], dtype=torch.float64)
+    head = nn.Linear(conv(X).numel() // len(X), 3).double()
+    mode = "constant" if padding_mode == "zeros" else padding_mode
+    pad = ExplicitPad(conv._reversed_padding_repeated_twice, mode)
+    padded = nn.Sequential(conv, nn.Tanh(), nn.Flatten(), head)
+    explicit = nn.Sequential(pad, unpadded, nn.Tanh(), nn.Flatten(), head)
+    return padded, explicit, [(X, torch.randint(0, 3, (4,)))]
+
+
+@pytest.mark.parametrize("operator", [KFACOperator, EKFACOperator])
+@pytest.mark.parametrize(
+    ("dims", "padding_mode", "padding"),
+    [pytest.param(dims, mode, (1, 2, 1)[:dims], id=f"conv{dims}d-{mode}")
+     for dims in (1, 2, 3) for mode in ("circular", "reflect", "replicate")]
+    + [pytest.param(2, "zeros", "same", id="conv2d-same")],
+)  # fmt: skip
+def test_padding_modes_equal_explicit_padding(operator, dims, padding_mode, padding):
+    """A convolution's padding (any mode, and "same") gives the factors and products of an
+    explicit F.pad followed by the convolution with padding 0."""
+    padded, explicit, data = _padded_and_explicitly_padded(dims, padding_mode, padding)
+    loss_fn = nn.CrossEntropyLoss()
+    K = operator(padded, loss_fn, None, data, fisher_type="type-2")
+    reference = operator(explicit, loss_fn, None, data, fisher_type="type-2")
+    for block, expected in zip(K.blocks, reference.blocks, strict=True):
+        torch.testing.assert_close(block.A, expected.A, rtol=0, atol=1e-12)
+        torch.testing.assert_close(block.B, expected.B, rtol=0, atol=1e-12)
+    torch.testing.assert_close(dense(K), dense(reference), rtol=0, atol=1e-12)
+
+
+def test_an_in_place_activation_after_a_layer_does_not_change_its_output_gradients():
+    """ReLU(inplace=True) overwrites the layer output; g is still d f / d z of z as the layer
+    returned it, so the operator equals that of the same model with ReLU()."""
+    model = nn.Sequential(nn.Linear(4, 5), nn.ReLU(inplace=True), nn.Linear(5, 3)).double()
+    data = [(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    K = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    model[1].inplace = False
+    torch.testing.assert_close(
+        dense(K), dense(KFACOperator(model, loss_fn, None, data, fisher_type="type-2"))
+    )
+
+
+@pytest.mark.parametrize("operator", [KFACOperator, EKFACOperator])
+def test_a_layer_called_twice_has_the_rows_of_both_calls(operator):
+    """A layer applied to the two positions of a sequence separately has the operator of
+    the same layer applied to the sequence at once (each call's rows are positions)."""
+
+    class Network(nn.Module):
+        def __init__(self, per_position: bool):
+            super().__init__()
+            self.per_position = per_position
+            self.layer, self.head = nn.Linear(3, 4), nn.Linear(8, 2)
+
+        def forward(self, x):
+            if self.per_position:
+                h = torch.cat([self.layer(x[:, 0]), self.layer(x[:, 1])], dim=-1)
+            else:
+                h = self.layer(x).flatten(1)
+            return self.head(torch.tanh(h))
+
+    once = Network(per_position=False).double()
+    twice = Network(per_position=True).double()
+    twice.load_state_dict(once.state_dict())
+    data = [(torch.randn(5, 2, 3, dtype=torch.float64), torch.randint(0, 2, (5,)))]
+    loss_fn = nn.CrossEntropyLoss()
+    K = operator(twice, loss_fn, None, data, fisher_type="type-2")
+    expected = operator(once, loss_fn, None, data, fisher_type="type-2")
+    torch.testing.assert_close(dense(K), dense(expected), rtol=0, atol=1e-12)

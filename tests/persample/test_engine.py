@@ -35,17 +35,17 @@ def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     n = len(losses)
     scale = n if reduction == "mean" else 1
     calls = capture.calls_by_module()
-    engine.check(calls, received, n, scale)
+    step = engine.step(calls, n, scale, gradients=received)
     mean_grad = [p.grad / (1 if reduction == "mean" else n) for p in params]
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
     other = [torch.randn_like(p) for p in params]
-    stats = engine.statistics(calls, request, {"grad": mean_grad, "other": other}, n, scale)
+    stats = step.statistics(request, {"grad": mean_grad, "other": other})
     # projections alone: tied weights sum the closed forms of their contributions
     only = Request(directions=frozenset({"grad", "other"}))
-    stats.only = engine.statistics(calls, only, {"grad": mean_grad, "other": other}, n, scale)
+    stats.only = step.statistics(only, {"grad": mean_grad, "other": other})
     # one direction (Alpha's requests): a layer may project instead of materialising G_n
     one = Request(directions=frozenset({"other"}))
-    stats.one = engine.statistics(calls, one, {"other": other}, n, scale)
+    stats.one = step.statistics(one, {"other": other})
     reference = models.per_sample_gradients(model, X, y, loss_fn, params)
     return stats, reference, mean_grad, other, engine
 

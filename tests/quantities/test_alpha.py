@@ -192,17 +192,17 @@ def test_alpha_keeps_no_per_sample_gradients():
         alpha = quantities.Alpha()
         cockpit = Cockpit(model, [alpha])
         train_one(model, X, y, loss_fn, opt, cockpit, 0)
-        start = alpha._start
+        step, start = alpha.pending
         if at_step:  # the start's capture and theta_t are released already
-            assert start.per_sample is None and start.params is None
+            assert start.captured is None and start.params is None
             assert [u.shape for u in start.unit] == shapes and start.projections.shape == (4,)
         else:
-            assert start.per_sample is not None and start.unit is None
+            assert start.captured is not None and start.unit is None
             assert [p.shape for p in start.params] == shapes
         train_one(model, X, y, loss_fn, opt, cockpit, 1)
         assert 0 in cockpit.get_output() and "Alpha" in cockpit.get_output()[0]
         # the start of step 0 was released; step 1 is the new start
-        assert alpha._start.step == 1
+        assert alpha.pending[0] == 1 and alpha.pending[1].step == 1
 
 
 def test_own_optimizer_matches_brute_force():
@@ -236,7 +236,7 @@ def test_parameters_changed_after_the_step_warn_and_switch_to_measuring_at_the_n
                 p.clamp_(-0.3, 0.3)
     output = cockpit.get_output()
     assert [s for s in output if "Alpha" in output[s]] == [1, 2]
-    assert alpha._start.per_sample is not None  # keeps the capture now
+    assert alpha.pending[1].captured is not None  # keeps the capture now
     for t in (1, 2):
         expected = reference_alpha(snapshots[t], snapshots[t + 1])
         assert output[t]["Alpha"] == pytest.approx(expected, rel=1e-7, abs=1e-9), t
@@ -270,7 +270,7 @@ def test_plain_sgd_keeps_factors_and_matches_brute_force(reduction):
         with cockpit(step, info=info):
             loss.backward()
         opt.step()
-        kinds = [isinstance(u, FactoredDirection) for u in alpha._start.unit]
+        kinds = [isinstance(u, FactoredDirection) for u in alpha.pending[1].unit]
         # the two wide weights as factors, the last weight and the biases dense
         assert kinds == [True, False, True, False, False, False]
         X.mul_(1.01)  # a data buffer refilled in place: the kept factors hold a copy

@@ -9,7 +9,9 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from avionics import Cockpit
-from avionics.persample import second_order
+from avionics.curvature import _losses
+from avionics.curvature.step import ggn_diagonal, loss_root
+from avionics.persample.rules import conv
 from avionics.quantities import HessMaxEV, HessTrace, Loss, TICDiag, TICTrace
 from tests.models import ARCHITECTURES, per_sample_gradients
 
@@ -144,7 +146,7 @@ def test_traces_alone_match_brute_force(arch, curvature, monkeypatch):
     the GGN path forms from per-sample squared norms (ggn_diagonal(traces=True))."""
     model, X, y, loss_fn = ARCHITECTURES[arch]()
     kinds = []
-    diagonal = second_order.ggn_diagonal
+    diagonal = ggn_diagonal.ggn_diagonal
 
     def spy(*args, **kwargs):
         kinds.append(kwargs.get("traces", False))
@@ -218,7 +220,7 @@ def test_ggn_uses_closed_form_loss_hessian_roots(build, monkeypatch):
     def dense(*args):
         raise AssertionError("the dense loss-Hessian root was used")
 
-    monkeypatch.setattr(second_order, "_dense_root", dense)
+    monkeypatch.setattr(loss_root, "_dense_root", dense)
     (out,) = _run(model, X, y, loss_fn, _ggn_exact())
     _check_against(out, model, X, y, loss_fn, torch.diagonal(dense_ggn(model, X, y, loss_fn)))
 
@@ -231,8 +233,8 @@ def test_ggn_of_an_unrecognised_loss_uses_the_dense_root(monkeypatch):
         return torch.log(torch.cosh(o - t)).sum(1)
 
     used = []
-    dense = second_order._dense_root
-    monkeypatch.setattr(second_order, "_dense_root", lambda *a: used.append(1) or dense(*a))
+    dense = loss_root._dense_root
+    monkeypatch.setattr(loss_root, "_dense_root", lambda *a: used.append(1) or dense(*a))
     (out,) = _run(model, X, targets, loss_fn, _ggn_exact())
     assert used
     h = torch.diagonal(dense_ggn(model, X, targets, loss_fn))
@@ -245,7 +247,7 @@ def test_mc_ggn_on_outputs_too_large_for_the_exact_diagonal(monkeypatch):
     model, X, y, loss_fn = token_model()
     exact = torch.diagonal(dense_ggn(model, X, y, loss_fn))
     traces, *_ = _expected(model, X, y, loss_fn, exact)
-    monkeypatch.setattr(second_order, "MAX_OUTPUT_SIZE", 8)
+    monkeypatch.setattr(loss_root, "MAX_OUTPUT_SIZE", 8)
     with pytest.raises(ValueError, match="diag_ggn_mc"):
         _run(model, X, y, loss_fn, [HessTrace(curvature="diag_ggn_exact")])
     (out,) = _run(model, X, y, loss_fn, [HessTrace(curvature="diag_ggn_mc", mc_samples=500)])
@@ -329,7 +331,7 @@ def test_softmax_root_has_one_column_fewer_per_position(shape, axis):
     logits[1].select(axis - 1, 0).add_(40)
     p = logits.softmax(axis)
     c = torch.rand(*[1 if a == axis else d for a, d in enumerate(shape)], dtype=torch.float64)
-    root = second_order._SoftmaxRoot(p, c, axis, shape[0])
+    root = _losses.SoftmaxHessianRoot(p, c, axis, shape[0])
     cols = torch.stack(list(root.columns()))  # [K, N, M]
     positions = p[0].numel() // shape[axis]
     assert cols.shape[0] == positions * (shape[axis] - 1)
@@ -385,17 +387,17 @@ def test_ggn_convolution_path_matches_brute_force(budget, monkeypatch):
     """Every convolution goes through the batched column path (also when each column's
     gradients are reduced alone, one sample at a time) and matches the dense GGN."""
     if budget is not None:
-        monkeypatch.setattr(second_order, "CONV_PENDING_BYTES", budget)
-        monkeypatch.setattr(second_order, "CONV_CHUNK_BYTES", budget)
+        monkeypatch.setattr(conv, "CONV_PENDING_BYTES", budget)
+        monkeypatch.setattr(conv, "CONV_CHUNK_BYTES", budget)
     model, X, y, loss_fn = conv_zoo()
     used = []
-    init = second_order._ConvSums.__init__
+    init = conv.ConvColumnSums.__init__
 
     def spy(self, module, call, n):
         used.append(module)
         init(self, module, call, n)
 
-    monkeypatch.setattr(second_order._ConvSums, "__init__", spy)
+    monkeypatch.setattr(conv.ConvColumnSums, "__init__", spy)
     (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])
     assert set(used) == {model.c1, model.c2, model.c2r, model.c3}
     h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
@@ -408,7 +410,7 @@ def test_quantity_order_does_not_matter():
     read its sums, and a second diagonal is never computed."""
     model, X, y, loss_fn = ARCHITECTURES["cnn"]()
     calls = []
-    diagonal = second_order.ggn_diagonal
+    diagonal = ggn_diagonal.ggn_diagonal
 
     def counted(*args, **kwargs):
         calls.append(1)
@@ -428,5 +430,5 @@ def test_quantity_order_does_not_matter():
 def test_hess_trace_asks_for_the_captured_calls_only():
     """HessTrace backpropagates through the captured calls itself: no per-sample statistic."""
     request = HessTrace(curvature="diag_ggn_exact").request(0)
-    assert request and not request.statistics
+    assert request and not request.asks_statistics
     assert TICDiag().request(0).sum_sq and TICTrace().request(0).sum_sq

@@ -195,7 +195,7 @@ def test_quantities_that_keep_theta_t_share_one_copy_per_step():
     with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}):
         losses.mean().backward()
     opt.step()
-    kept = update_size.start[1]
+    kept = update_size.pending[1]
     assert all(a is b for a, b in zip(distance.initial, kept, strict=True))
     # the shared copy is theta_0, untouched by the update and by the quantities
     assert all(torch.equal(a, b) for a, b in zip(kept, theta0, strict=True))

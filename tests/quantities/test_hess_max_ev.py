@@ -7,7 +7,9 @@ import pytest
 import torch
 from torch import nn
 
+import avionics.curvature.algorithms.lanczos as lanczos
 import avionics.quantities.hess_max_ev as hme
+from avionics.curvature.algorithms.lanczos import BlockOperator, LanczosState, top_eigenpairs
 from avionics.quantities import HessMaxEV
 from tests.models import ARCHITECTURES
 from tests.quantities.test_curvature_instruments import _run, dense_hessian
@@ -20,7 +22,7 @@ def _top(model, X, y, loss_fn) -> float:
 @pytest.fixture(params=["flat", "per_leaf"])
 def layout(request, monkeypatch):
     """FLAT_BELOW decides the layout by the operator's size: force each."""
-    monkeypatch.setattr(hme, "FLAT_BELOW", 1 << 40 if request.param == "flat" else 0)
+    monkeypatch.setattr(lanczos, "FLAT_BELOW", 1 << 40 if request.param == "flat" else 0)
     return request.param
 
 
@@ -107,8 +109,16 @@ def test_float64_and_a_negative_definite_operator(layout):
     x = torch.zeros(D, dtype=torch.float64, requires_grad=True)
     (g,) = torch.autograd.grad(0.5 * x @ A @ x, x, create_graph=True)
     hvp = hme._HessianProduct([g], [x])
-    storage = torch.empty(min(hme.MAX_BASIS, D) + 1 + hme.SPARE_ROWS, D, dtype=torch.float64)
-    storage[0] = torch.randn(D, dtype=torch.float64)
-    value, row, products, converged = hme.top_hessian_eigenpair(hvp, storage, 0, 1e-8, 500)
-    assert converged and value == pytest.approx(-1.0, rel=1e-8)
-    assert float((A @ storage[row] - value * storage[row]).norm()) < 1e-3
+    state = LanczosState()
+    result = top_eigenpairs(
+        BlockOperator(hvp, hvp.slices, hvp.dtype, hvp.device),
+        tol=1e-8,
+        max_products=500,
+        max_basis=hme.MAX_BASIS,
+        v0=torch.randn(D, dtype=torch.float64),
+        criterion="eigenvalue",
+        state=state,
+    )
+    value, x = state.eigenvalue, state.eigenvector
+    assert result.converged and value == pytest.approx(-1.0, rel=1e-8)
+    assert float((A @ x - value * x).norm()) < 1e-3

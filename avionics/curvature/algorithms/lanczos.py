@@ -1,30 +1,60 @@
 """Extreme eigenpairs of a symmetric operator by Lanczos with full reorthogonalisation.
 
 The Krylov basis V_j = [v_1, ..., v_j] is built from one product ``A @ v`` per step; every new
-vector is orthogonalised against the whole basis twice (classical Gram-Schmidt, twice is
-enough), so the projected matrix T_j = V_j^T A V_j is computed, not assumed tridiagonal, and
-the Ritz values never duplicate. With A V_j = V_j T_j + f_j e_j^T and T_j = Y diag(theta) Y^T,
-the Ritz pair (theta_i, V_j y_i) has residual norm ||A V_j y_i - theta_i V_j y_i|| =
-||f_j|| |e_j^T y_i| (Golub & Van Loan, *Matrix Computations*, 4th ed., section 10.1.4), which is
-the stopping rule: stop when it is <= tol |theta_i| for all k wanted pairs (the same rule as
-ARPACK's, so ``tol`` means the same as in ``scipy.sparse.linalg.eigsh``). The eigenvalue error
-is then of the order residual^2 / gap, usually far below ``tol``.
+vector is orthogonalised against the whole basis by classical Gram-Schmidt, repeated when the
+first pass cancels most of ``A v``, so the projected matrix T_j = V_j^T A V_j is computed, not
+assumed tridiagonal, and the Ritz values never duplicate. With A V_j = V_j T_j + f_j e_j^T and
+T_j = Y diag(theta) Y^T, the Ritz pair (theta_i, V_j y_i) has residual norm
+r_i = ||A V_j y_i - theta_i V_j y_i|| = ||f_j|| |e_j^T y_i| (Golub & Van Loan, *Matrix
+Computations*, 4th ed., section 10.1.4). ||f_j||^2 = ||A v_j||^2 - ||V_j^T A v_j||^2 comes with
+the projections, so a product that meets the stopping rule is never orthogonalised.
+
+Stopping rules (``criterion``):
+
+* ``"residual"``: r_i <= tol |theta_i| for all k wanted pairs (ARPACK's rule, so ``tol`` means
+  the same as in ``scipy.sparse.linalg.eigsh``); the eigenvalue error is then of the order
+  r_i^2 / gap, usually far below ``tol``.
+* ``"eigenvalue"``: ``tol`` is the relative accuracy of the eigenvalues. By Kato-Temple
+  (Parlett, *The Symmetric Eigenvalue Problem*, section 11.7) the error of theta_i is at most
+  r_i and about r_i^2 / gap_i, gap_i the distance to the nearest other Ritz value; the rule is
+  min(r_i, GAP_SAFETY r_i^2 / gap_i) <= tol |theta_i|.
 
 When the basis reaches ``max_basis`` vectors the iteration is thick-restarted (Wu & Simon 2000,
 "Thick-restart Lanczos method for large symmetric eigenvalue problems", SIAM J. Matrix Anal.
 Appl. 22(2)): the best Ritz vectors are kept, with the last residual direction, and the
 projected matrix becomes an arrowhead; Lanczos continues from there. If the Krylov space
-becomes invariant, a random direction orthogonal to the basis continues the search.
+becomes invariant (||f_j|| <= 10 eps max |theta|, rounding level), a random direction
+orthogonal to the basis continues the search.
+
+A :class:`LanczosState` keeps the basis storage and the last extreme eigenpair between calls
+(a warm start: a start vector close to the wanted eigenvector needs about two products); a
+:class:`BlockOperator` gives its product in parts (e.g. per parameter), which are projected
+and orthogonalised where they are, without a flat copy.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from ._matmul import MatMul, _as_matmul, _generator
+from ._matmul import _as_matmul, _generator
+
+# Safety factor on the gap estimate r^2 / gap of the eigenvalue error ("eigenvalue" criterion).
+GAP_SAFETY = 10.0
+# ||f||^2 is taken from ||Av||^2 - ||V^T Av||^2 unless that difference is below this fraction
+# of ||Av||^2, where float cancellation dominates it: then Av is orthogonalised to know ||f||.
+LAZY_RESIDUAL_MIN = 1e-2
+# Classical Gram-Schmidt is repeated when the first pass removed more than half of ||Av||^2.
+REORTHOGONALISE_BELOW = 0.5
+# Operators of at most this many entries (or off the CPU) copy each product into the storage
+# and work on it there; larger ones are projected per block from the product's own tensors.
+FLAT_BELOW = 1 << 18
+# A unit start vector is divided by its norm again only when that norm is off by more.
+UNIT_NORM_TOL = 1e-6
 
 
 @dataclass
@@ -33,9 +63,10 @@ class EigenResult:
 
     values: [k], ordered from the most extreme (largest first for ``top_eigenpairs``, smallest
         first for ``bottom_eigenpairs``).
-    vectors: [D, k], unit-norm columns matching ``values``.
+    vectors: [D, k], unit-norm columns matching ``values`` (with a ``state``: a view of its
+        storage, overwritten by the next call).
     num_products: operator-vector products used (one per Lanczos step).
-    converged: whether all k pairs met the residual tolerance.
+    converged: whether all k pairs met the stopping rule.
     residual_norms: [k], the estimated ||A x - theta x|| of each pair.
     """
 
@@ -44,6 +75,70 @@ class EigenResult:
     num_products: int
     converged: bool
     residual_norms: Tensor
+
+
+@dataclass(frozen=True)
+class BlockOperator:
+    """A symmetric operator whose product comes in blocks: ``apply(v)`` returns the parts of
+    A v, one per slice of ``slices`` (a part of any shape with that many entries, or None for
+    a zero block), e.g. Hessian-vector products per parameter. Lanczos projects and
+    orthogonalises the parts where they are, without concatenating them."""
+
+    apply: Callable[[Tensor], list[Tensor | None]]
+    slices: list[slice]
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def dim(self) -> int:
+        return self.slices[-1].stop
+
+    def __call__(self, v: Tensor) -> list[Tensor | None]:
+        return self.apply(v)
+
+
+class LanczosState:
+    """Reusable storage for the Krylov basis and the last call's extreme eigenpair, for a
+    sequence of eigenvalue problems of one size (e.g. one per training step).
+
+    A call with this state starts from ``eigenvector`` (unless given ``v0``) and leaves its own
+    extreme eigenpair here. ``storage`` [rows, D] holds the basis from row ``start`` on; the
+    Ritz vectors go into the rows after the final basis, where the next call's basis starts, so
+    a warm start copies no vector; when fewer than max_basis + k rows are left, the start vector
+    moves back to row 0 (one copy), every ``spare_rows`` calls or so.
+    """
+
+    def __init__(self, spare_rows: int = 4):
+        self.spare_rows = int(spare_rows)
+        self.storage: Tensor | None = None
+        self.start = 0
+        self.eigenvalue: float | None = None  # float64 Ritz value of the last call
+
+    @property
+    def eigenvector(self) -> Tensor | None:
+        """The last call's unit eigenvector, flat [D] (a view of the storage), or None."""
+        return None if self.eigenvalue is None else self.storage[self.start]
+
+    def _rows_from_start(self, D: int, dtype, device, rows: int) -> bool:
+        """Make ``rows`` rows available from ``start``; return whether ``storage[start]`` holds
+        the previous eigenvector (same size, dtype and device) to start from."""
+        s = self.storage
+        warm = self.eigenvalue is not None and (s.shape[1], s.dtype, s.device) == (
+            D,
+            dtype,
+            device,
+        )
+        self.eigenvalue = None
+        if warm and self.start + rows <= s.shape[0]:
+            return True
+        if warm and rows <= s.shape[0]:
+            s[0] = s[self.start]
+        else:
+            self.storage = torch.empty(rows + self.spare_rows, D, dtype=dtype, device=device)
+            if warm:
+                self.storage[0] = s[self.start]
+        self.start = 0
+        return warm
 
 
 def top_eigenpairs(
@@ -56,21 +151,32 @@ def top_eigenpairs(
     max_basis: int | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    criterion: str = "residual",
+    state: LanczosState | None = None,
 ) -> EigenResult:
     """The k largest algebraic (not largest magnitude) eigenvalues of a symmetric A, with
     eigenvectors, by Lanczos with full reorthogonalisation and thick restarts.
 
-    A: a dense symmetric tensor [D, D] or any operator with ``.shape`` (D, D) and ``@``.
-    tol: stop when every wanted Ritz pair has residual ||A x - theta x|| <= tol |theta|
-        (ARPACK's rule; the eigenvalue error is typically ~ tol^2 |theta|^2 / gap).
+    A: a dense symmetric tensor [D, D], any operator with ``.shape`` (D, D) and ``@``, or a
+        :class:`BlockOperator`.
+    tol: with ``criterion="residual"``, stop when every wanted Ritz pair has residual
+        ||A x - theta x|| <= tol |theta| (ARPACK's rule; the eigenvalue error is typically
+        ~ tol^2 |theta|^2 / gap); with ``"eigenvalue"``, when the Kato-Temple estimate of each
+        eigenvalue's error, min(r, GAP_SAFETY r^2 / gap), is <= tol |theta|.
     max_products: budget of operator products (default 500); the result says whether it
         converged within it.
     v0: start vector [D] (a warm start, e.g. the previous step's top eigenvector); a [D, j]
-        block is summed over its columns. Random Gaussian (from ``seed``/``generator``) if None.
+        block is summed over its columns. If None: the state's eigenvector, else random
+        Gaussian (from ``seed``/``generator``; a generator on another device than A's is used
+        on its own device).
     max_basis: Krylov basis size before a thick restart (default max(50, 3k), at most D).
+    state: a :class:`LanczosState` whose storage holds the basis and which keeps the top
+        eigenpair for the next call's warm start.
     Values are returned largest first.
     """
-    return _lanczos_extreme(A, k, "LA", tol, max_products, v0, max_basis, seed, generator)
+    return _lanczos_extreme(
+        A, k, "LA", tol, max_products, v0, max_basis, seed, generator, criterion, state
+    )
 
 
 def bottom_eigenpairs(
@@ -83,150 +189,263 @@ def bottom_eigenpairs(
     max_basis: int | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    criterion: str = "residual",
+    state: LanczosState | None = None,
 ) -> EigenResult:
     """The k smallest algebraic eigenvalues (most negative first) of a symmetric A, with
     eigenvectors. Same algorithm and arguments as :func:`top_eigenpairs`; values are returned
-    smallest first. Note that the residual rule is relative to |theta|, so eigenvalues very
+    smallest first. Note that the stopping rules are relative to |theta|, so eigenvalues very
     close to zero need a small ``tol`` or a large budget."""
-    return _lanczos_extreme(A, k, "SA", tol, max_products, v0, max_basis, seed, generator)
+    return _lanczos_extreme(
+        A, k, "SA", tol, max_products, v0, max_basis, seed, generator, criterion, state
+    )
 
 
-def _orthogonalise(w: Tensor, V: Tensor) -> tuple[Tensor, Tensor]:
-    """w minus its projection on the orthonormal rows of V [n, D] (Gram-Schmidt twice);
-    returns the new w and the coefficients V w."""
-    h = V @ w
-    w = w - V.T @ h
-    h2 = V @ w
-    return w - V.T @ h2, h + h2
+def _as_block_operator(A) -> BlockOperator:
+    """A :class:`BlockOperator` as is; any other operator as one block."""
+    if isinstance(A, BlockOperator):
+        return A
+    mm = _as_matmul(A)
+    return BlockOperator(lambda v: [mm(v)], [slice(0, mm.dim)], mm.dtype, mm.device)
 
 
-def _lanczos_orthogonalise(w: Tensor, V: Tensor, known: Tensor) -> tuple[Tensor, Tensor]:
-    """Orthogonalise w = A v_last against the basis rows V; return it and the new column of
-    T = V^T A V (float64, CPU). (Never in place: an operator may return its input.)
-
-    ``known`` holds the couplings T[:-1, last] fixed when v_last was added (one beta in a plain
-    step, the arrowhead after a thick restart). Subtracting them and alpha v_last (the Lanczos
-    recurrence) leaves only rounding-level components along the older vectors, which one
-    Gram-Schmidt pass over the basis removes (full reorthogonalisation, Parlett, *The
-    Symmetric Eigenvalue Problem*, section 13.8); a second pass runs only if the first one
-    removed a large part of w (the Daniel-Gragg-Kaufman-Stewart criterion). This reads the basis
-    twice per step instead of four times.
-    """
-    n = V.shape[0]
-    column = torch.zeros(n, dtype=torch.float64)
-    nz = torch.nonzero(known).flatten()
-    if len(nz):
-        c = known[nz]
-        w = w - V[nz].T @ c.to(dtype=w.dtype, device=w.device)
-        column[nz] += c
-    alpha = torch.dot(V[n - 1], w)
-    w = w - alpha * V[n - 1]
-    column[n - 1] += float(alpha)
-    before = float(w.norm())
-    for _ in range(2):
-        h = V @ w
-        w = w - V.T @ h
-        column += h.to(torch.float64).cpu()
-        if float(w.norm()) > 0.7071 * before:
-            break
-        before = float(w.norm())
-    return w, column
-
-
-def _lanczos_extreme(A, k, which, tol, max_products, v0, max_basis, seed, generator):
-    mm: MatMul = _as_matmul(A)
-    D, dtype, device = mm.dim, mm.dtype, mm.device
+def _lanczos_extreme(
+    A, k, which, tol, max_products, v0, max_basis, seed, generator, criterion, state
+):
+    op = _as_block_operator(A)
+    D, dtype, device = op.dim, op.dtype, op.device
     if not 1 <= k <= D:
         raise ValueError(f"k must be between 1 and D={D}, got {k}")
     if tol < 0:
         raise ValueError(f"tol must be >= 0, got {tol}")
+    if criterion not in ("residual", "eigenvalue"):
+        raise ValueError(f"criterion must be 'residual' or 'eigenvalue', got {criterion!r}")
     max_products = 500 if max_products is None else int(max_products)
     if max_products < 1:
         raise ValueError(f"max_products must be >= 1, got {max_products}")
     max_basis = min(D, max(50, 3 * k) if max_basis is None else int(max_basis))
     if max_basis < min(D, k + 2):
         raise ValueError(f"max_basis must be at least k + 2 = {k + 2} (or D), got {max_basis}")
-    # Ritz vectors kept at a restart: the k wanted and as many again as room allows.
-    keep = min(max_basis - 1, max(k + 1, (max_basis + k) // 2))
     gen = None
 
-    def random_vector():
+    def random_unit_vector() -> Tensor:
         nonlocal gen
         if gen is None:
             gen = _generator(seed, generator, device)
-        return torch.randn(D, generator=gen, device=device, dtype=dtype)
+        r = torch.randn(D, generator=gen, device=gen.device, dtype=dtype)
+        return (r / r.norm()).to(device)
 
-    if v0 is None:
-        v = random_vector()
-    else:
-        v = torch.as_tensor(v0).to(device=device, dtype=dtype)
-        if v.ndim == 2:
-            v = v.sum(1)
-        if v.shape != (D,):
-            raise ValueError(f"v0 must have shape ({D},), got {tuple(v0.shape)}")
-        if not torch.isfinite(v).all() or v.norm() == 0:
-            raise ValueError("v0 must be finite and nonzero")
-    eps = torch.finfo(dtype).eps
+    scratch = state is None
+    state = LanczosState(spare_rows=0) if scratch else state
+    warm = state._rows_from_start(D, dtype, device, max_basis + k)
+    storage, start = state.storage, state.start
+    if v0 is not None:
+        storage[start] = _unit_start_vector(v0, D, dtype, device)
+    elif not warm:
+        storage[start] = random_unit_vector()
+    _renormalise(storage[start])
 
-    V = torch.empty(max_basis, D, dtype=dtype, device=device)  # basis vectors as rows
-    T = torch.zeros(max_basis, max_basis, dtype=torch.float64)
-    V[0] = v / v.norm()
-    nb = 1  # basis vectors in V; the last one still awaits its product
-    products = 0
-    anorm = 0.0
-    while True:
-        w = mm(V[nb - 1])
-        products += 1
-        w, h = _lanczos_orthogonalise(w, V[:nb], T[: nb - 1, nb - 1])
-        T[:nb, nb - 1] = h
-        T[nb - 1, :nb] = h
-        beta = float(w.norm())
-        theta, Y = torch.linalg.eigh(T[:nb, :nb])
-        anorm = max(anorm, float(theta.abs().max()))
-        wanted = _wanted(theta, min(k, nb), which)
-        res = beta * Y[nb - 1, wanted].abs()
-        floor = 10 * eps * anorm
-        done = nb >= k and bool((res <= torch.clamp(tol * theta[wanted].abs(), min=floor)).all())
-        if done or products >= max_products or (nb == D and beta <= 1e3 * floor):
-            converged = done or nb == D
-            break
-
-        # Next basis vector: the residual direction, or a fresh random one on breakdown.
-        if beta > 1e3 * floor:
-            vnext, coupling = w / beta, beta
-        else:
-            r, _ = _orthogonalise(random_vector(), V[:nb])
-            vnext, coupling = r / r.norm(), 0.0
-
-        if nb == max_basis:  # thick restart: keep the best Ritz vectors and the residual.
-            sel = _wanted(theta, keep, which)
-            X = Y[:, sel].T.to(dtype=dtype, device=device) @ V[:nb]
-            b = coupling * Y[nb - 1, sel]
-            V[:keep] = X
-            V[keep] = vnext
-            T.zero_()
-            T[range(keep), range(keep)] = theta[sel]
-            T[keep, :keep] = b
-            T[:keep, keep] = b
-            nb = keep + 1
-        else:
-            V[nb] = vnext
-            T[nb, nb - 1] = T[nb - 1, nb] = coupling
-            nb += 1
-
-    vectors = V[:nb].T @ Y[:, wanted].to(dtype=dtype, device=device)
+    lanczos = _Lanczos(op, storage, start, k, which, max_basis, random_unit_vector)
+    theta, Y, nb, residuals, converged = lanczos.run(tol, criterion == "eigenvalue", max_products)
+    wanted = _wanted(nb, min(k, nb), which)
+    X = _ritz_vectors(storage[start : start + nb], Y, wanted, storage[start + nb :])
+    state.start, state.eigenvalue = start + nb, float(theta[wanted[0]])
+    values_and_residuals = torch.tensor(
+        [[float(theta[i]) for i in wanted], residuals], dtype=dtype
+    )
     return EigenResult(
-        values=theta[wanted].to(dtype=dtype, device=device),
-        vectors=vectors,
-        num_products=products,
+        values=values_and_residuals[0].to(device),
+        vectors=X.T.clone(memory_format=torch.contiguous_format) if scratch else X.T,
+        num_products=lanczos.products,
         converged=converged,
-        residual_norms=res.to(dtype=dtype),
+        residual_norms=values_and_residuals[1],
     )
 
 
-def _wanted(theta: Tensor, n: int, which: str) -> Tensor:
-    """Indices of the n most extreme of the ascending Ritz values, most extreme first."""
-    m = theta.numel()
-    if which == "LA":
-        return torch.arange(m - 1, m - 1 - n, -1)
-    return torch.arange(n)
+def _unit_start_vector(v0, D: int, dtype, device) -> Tensor:
+    """v0 (a [D, j] block summed over its columns) normalised, after checking it."""
+    v = torch.as_tensor(v0).to(device=device, dtype=dtype)
+    if v.ndim == 2:
+        v = v.sum(1)
+    if v.shape != (D,):
+        raise ValueError(f"v0 must have shape ({D},), got {tuple(v0.shape)}")
+    if not torch.isfinite(v).all() or v.norm() == 0:
+        raise ValueError("v0 must be finite and nonzero")
+    return v / v.norm()
+
+
+def _renormalise(v: Tensor) -> None:
+    """Divide the unit start vector by its norm again where float rounding (large D, or the
+    previous call's Ritz vector) left that norm off by more than UNIT_NORM_TOL."""
+    norm = float(v.norm())
+    if abs(norm - 1.0) > UNIT_NORM_TOL:
+        v.div_(norm)
+
+
+class _Lanczos:
+    """The iteration on the basis rows ``storage[start : start + nb]`` (nb <= max_basis), whose
+    last row awaits its product; the row after them receives A v_nb, then the next vector."""
+
+    def __init__(self, op: BlockOperator, storage, start, k, which, max_basis, random_vector):
+        self.op, self.storage, self.start = op, storage, start
+        self.k, self.which, self.max_basis = k, which, max_basis
+        self.random_vector = random_vector
+        self.flat = op.dim <= FLAT_BELOW or op.device.type != "cpu"
+        self.keep = min(max_basis - 1, max(k + 1, (max_basis + k) // 2))  # kept at a restart
+        self.T = np.zeros((max_basis, max_basis))
+        self.eps = float(torch.finfo(op.dtype).eps)
+        self.products = 0
+
+    def run(self, tol: float, eigenvalue_bound: bool, max_products: int):
+        """Lanczos steps until the stopping rule, the budget or an exhausted space (nb = D);
+        returns (theta, Y, nb, residual norms of the wanted pairs, converged)."""
+        T, storage, start, slices = self.T, self.storage, self.start, self.op.slices
+        nb, anorm = 1, 0.0
+        while True:
+            Vw = storage[start : start + nb + 1]  # the basis V and the row w after it
+            V, w = Vw[:-1], Vw[-1]
+            hv = self.op(V[-1])
+            self.products += 1
+            if self.flat:
+                _place(hv, slices, w)
+                hv = None
+                numbers = Vw @ w  # V^T Av and ||Av||^2
+            else:  # ||Av||^2 only where it can spare the orthogonalisation (nb = 1: Av ~ theta v)
+                numbers = _project(hv, V, slices, squared=nb > 1)
+            h = numbers[:-1]
+            values = numbers.tolist()
+            T[:nb, nb - 1] = T[nb - 1, :nb] = values[:-1]
+            squared = values[-1]
+            beta2 = squared - float(T[:nb, nb - 1] @ T[:nb, nb - 1])  # ||Av - V V^T Av||^2
+            # float cancellation (or nb = 1 per block): orthogonalise now to know beta
+            exact = beta2 <= LAZY_RESIDUAL_MIN * squared or (nb == 1 and not self.flat)
+            if exact:
+                beta = _orthogonalise(hv, Vw, h, slices, T, nb - 1, True)
+            else:
+                beta = beta2**0.5
+            theta, Y = np.linalg.eigh(T[:nb, :nb])
+            anorm = max(anorm, abs(float(theta[0])), abs(float(theta[-1])))
+            wanted = _wanted(nb, min(self.k, nb), self.which)
+            residuals = [beta * abs(float(Y[nb - 1, i])) for i in wanted]
+            floor = 10 * self.eps * anorm
+            done = nb >= self.k and _converged(
+                theta, wanted, residuals, tol, floor, eigenvalue_bound
+            )
+            invariant = nb == self.op.dim and beta <= 1e3 * floor
+            if done or self.products >= max_products or invariant:
+                return theta, Y, nb, residuals, done or nb == self.op.dim
+            if not exact:
+                again = beta2 < REORTHOGONALISE_BELOW * squared
+                beta = _orthogonalise(hv, Vw, h, slices, T, nb - 1, again)
+                theta, Y = np.linalg.eigh(T[:nb, :nb])
+            hv = None
+            if beta <= floor:  # an invariant space: continue in a new direction
+                _random_orthogonal_direction(w, V, self.random_vector())
+            nb = self._thick_restart(theta, Y) if nb == self.max_basis else nb + 1
+
+    def _thick_restart(self, theta, Y) -> int:
+        """Basis <- [the ``keep`` best Ritz vectors, the unit residual w], T <- diag(theta
+        of those) (the arrowhead's couplings to w come from w's product); returns keep + 1."""
+        nb, keep, V = self.max_basis, self.keep, self.storage[self.start :]
+        sel = _wanted(nb, keep, self.which)
+        coefficients = torch.as_tensor(np.ascontiguousarray(Y[:, sel].T), dtype=V.dtype)
+        X = coefficients.to(V.device) @ V[:nb]
+        V[keep] = V[nb]
+        V[:keep] = X
+        self.T[:] = 0.0
+        self.T[range(keep), range(keep)] = theta[sel]
+        return keep + 1
+
+
+def _wanted(m: int, n: int, which: str) -> range:
+    """Indices of the n most extreme of m ascending Ritz values, most extreme first."""
+    return range(m - 1, m - 1 - n, -1) if which == "LA" else range(n)
+
+
+def _converged(theta, wanted, residuals, tol: float, floor: float, eigenvalue_bound: bool):
+    """Whether every wanted pair's error estimate (r, or with ``eigenvalue_bound`` the
+    Kato-Temple min(r, GAP_SAFETY r^2 / gap)) is <= max(tol |theta|, floor)."""
+    for i, r in zip(wanted, residuals, strict=True):
+        error = _eigenvalue_error(theta, i, r) if eigenvalue_bound else r
+        if error > max(tol * abs(theta[i]), floor):
+            return False
+    return True
+
+
+def _eigenvalue_error(theta, i: int, r: float) -> float:
+    """min(r, GAP_SAFETY r^2 / gap), gap the distance from theta[i] to its nearest neighbour
+    among the ascending Ritz values (r alone without a positive gap)."""
+    gap = min((abs(theta[i] - theta[n]) for n in (i - 1, i + 1) if 0 <= n < len(theta)), default=0)
+    return min(r, GAP_SAFETY * r * r / float(gap)) if gap > 0 else r
+
+
+def _ritz_vectors(V: Tensor, Y: np.ndarray, wanted: range, rows: Tensor) -> Tensor:
+    """x_i = V^T y_i for the wanted pairs, written into the first rows of ``rows`` [n, D]."""
+    for n, i in enumerate(wanted):
+        y = torch.as_tensor(np.ascontiguousarray(Y[:, i]), dtype=V.dtype).to(V.device)
+        torch.mv(V.t(), y, out=rows[n])
+    return rows[: len(wanted)]
+
+
+def _random_orthogonal_direction(w: Tensor, V: Tensor, r: Tensor) -> None:
+    """w <- r minus its projection on the rows of V (Gram-Schmidt twice), normalised."""
+    for _ in range(2):
+        r = r - V.T @ (V @ r)
+    w.copy_(r / r.norm())
+
+
+def _place(hv: list[Tensor | None], slices: list[slice], w: Tensor) -> None:
+    """Copy the product into the row ``w`` (zeros for a block with None)."""
+    for part, s in zip(hv, slices, strict=True):
+        if part is None:
+            w[s].zero_()
+        else:
+            w[s].copy_(part.reshape(-1))
+
+
+def _project(hv: list[Tensor | None], V: Tensor, slices: list[slice], squared: bool) -> Tensor:
+    """[V^T Av, ||Av||^2 (0 without ``squared``)], per block from the product's tensors (a
+    block with None is 0)."""
+    numbers = torch.zeros(V.shape[0] + 1, dtype=V.dtype, device=V.device)
+    h, norm2 = numbers[:-1], numbers[-1:]
+    for part, s in zip(hv, slices, strict=True):
+        if part is not None:
+            flat = part.reshape(-1)
+            h.addmv_(V[:, s], flat)
+            if squared:
+                norm2 += torch.dot(flat, flat)
+    return numbers
+
+
+def _orthogonalise(hv, Vw: Tensor, h: Tensor, slices, T, j: int, again: bool) -> float:
+    """w = Av - V V^T Av (``h`` = V^T Av; ``Vw`` = [V; w], rows of the storage) in the row w,
+    normalised: from the product's parts ``hv``, per block, or, with ``hv`` None, in place
+    (w holds Av). With ``again``, a second classical Gram-Schmidt pass, whose projections are
+    added to column j of T; its projections and ||w||^2 come from one product [V; w] w, and
+    the correction and the normalisation from one ``addmv_``. Returns ||w|| before the
+    normalisation."""
+    V, w = Vw[:-1], Vw[-1]
+    if hv is None:
+        w.addmv_(V.t(), h, alpha=-1)
+    else:  # w = Av - h_0 v_0 in one elementwise pass (addmv with out= copies first), then
+        h0 = float(h[0])  # the other rows in place
+        for part, s in zip(hv, slices, strict=True):
+            if part is None:
+                torch.mul(V[0, s], -h0, out=w[s])
+            else:
+                torch.add(part.reshape(-1), V[0, s], alpha=-h0, out=w[s])
+        if V.shape[0] > 1:
+            w.addmv_(V[1:].t(), h[1:], alpha=-1)
+    if not again:
+        beta = float(w.norm())
+        if beta > 0:
+            w.div_(beta)
+        return beta
+    numbers = torch.mv(Vw, w)
+    values = numbers.tolist()
+    T[: j + 1, j] += values[:-1]
+    T[j, : j + 1] = T[: j + 1, j]
+    beta = max(values[-1] - sum(x * x for x in values[:-1]), 0.0) ** 0.5
+    if beta > 0:
+        w.addmv_(V.t(), numbers[:-1], beta=1.0 / beta, alpha=-1.0 / beta)
+    return beta

@@ -2,12 +2,15 @@
 
 A rule turns the captured calls of one module (inputs x and output gradients delta, summed
 over the calls of one forward) into per-sample gradients g_n of a subset of the parameters,
-where g_n = scale * (the sample-n part of the backpropagated gradient), scale = N for a
-mean-reduced loss and 1 for a sum. Every rule can *materialise* g_n for a run of samples;
+where g_n = output_gradient_factor * (the sample-n part of the backpropagated gradient): the
+output-gradient factor is N for a mean-reduced loss (whose backward carries dl_n/dout / N) and
+1 for a sum. Every rule can *materialise* g_n for a run of samples;
 rules with closed forms override :meth:`Rule.statistics` to avoid materialising.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import Tensor, nn
@@ -28,9 +31,20 @@ class Rule:
     """Per-sample gradients of ``names`` (parameters reached from ``module``) from ``calls``."""
 
     def __init__(
-        self, module: nn.Module, calls: list[ModuleCall], names: list[str], n: int, scale: float
+        self,
+        module: nn.Module,
+        calls: list[ModuleCall],
+        names: list[str],
+        n: int,
+        output_gradient_factor: float,
     ):
-        self.module, self.calls, self.names, self.n, self.scale = module, calls, names, n, scale
+        self.module, self.calls, self.names, self.n, self.output_gradient_factor = (
+            module,
+            calls,
+            names,
+            n,
+            output_gradient_factor,
+        )
         self.params = [module.get_parameter(name) for name in names]
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
@@ -61,6 +75,20 @@ class Rule:
                 acc.add(c)
         return [acc.result() for acc in accumulators]
 
+    @classmethod
+    def column_sums(
+        cls, module: nn.Module, calls: list[ModuleCall], names: list[str], n: int, traces: bool
+    ) -> ColumnSums:
+        """An accumulator of sum_j sum_n g_{n,j}^2 over backpropagated columns j (the curvature
+        diagonals of :mod:`avionics.curvature.step.ggn_diagonal`): g_{n,j} is the per-sample
+        gradient (output-gradient factor 1) when column j's gradients w.r.t. the outputs of
+        ``calls`` replace their captured ones; with ``traces``, only sum_d of each sum.
+
+        This default builds the rule on each column and asks it for ``sum_sq`` (``sq_norms``
+        with ``traces``): its closed forms, or materialised chunks. Rules with a cheaper form
+        over many columns at once override it."""
+        return ColumnSums(cls, module, calls, names, n, traces)
+
     def total(self) -> list[Tensor]:
         """sum_n g_n per parameter (checked against autograd's gradient)."""
         totals = [torch.zeros_like(p) for p in self.params]
@@ -68,6 +96,34 @@ class Rule:
             for t, c in zip(totals, chunk, strict=True):
                 t += c.sum(0)
         return totals
+
+
+class ColumnSums:
+    """sum over columns j of sum_n g_{n,j}^2 (or its sum_d) for the parameters ``names`` of
+    ``module``, one column at a time through ``rule`` (see :meth:`Rule.column_sums`)."""
+
+    def __init__(self, rule: type[Rule], module, calls, names, n: int, traces: bool):
+        self.rule, self.module, self.calls, self.names = rule, module, calls, names
+        self.n, self.traces = n, traces
+        self.totals: list[Tensor | None] = [None] * len(names)
+
+    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
+        """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
+        column_calls = []
+        for call, outs in zip(self.calls, grad_outputs, strict=True):
+            copy = dataclasses.replace(call)  # (__post_init__ resets grad_outputs)
+            copy.grad_outputs = outs
+            column_calls.append(copy)
+        rule = self.rule(self.module, column_calls, self.names, self.n, 1.0)
+        request = Request(sq_norms=True) if self.traces else Request(sum_sq=True)
+        results = rule.statistics([request] * len(self.names), [{}] * len(self.names))
+        for i, r in enumerate(results):
+            s = r["sq_norms"].sum() if self.traces else r["sum_sq"]
+            self.totals[i] = s if self.totals[i] is None else self.totals[i].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        """``scale`` times the sums, one per name (None where no column arrived)."""
+        return [t.mul_(scale) if t is not None else None for t in self.totals]
 
 
 def batch_first(t: Tensor, axis: int, n: int, where: str) -> Tensor:

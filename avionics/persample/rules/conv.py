@@ -16,14 +16,17 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from avionics.persample.rules.base import batch_first, concatenate, output_gradient
+from avionics.persample.rules.base import ColumnSums, batch_first, concatenate, output_gradient
 from avionics.persample.rules.bilinear import BilinearRule
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-# Fewest input channels of a 2d convolution for which its own kernels beat unfolding (measured
-# on one CPU core: per-sample gradients by windows 2x faster from 16 channels on, 3x slower with
-# 1-3; projections by the convolution 1.5-2.2x slower with 1-3, see ConvRule.projection).
+# Fewest input channels of a 2d convolution for which its own kernels beat unfolding (the
+# measurements: BENCHMARKS.md, "Measurements behind the engine's choices").
 _WIDE_CHANNELS = 8
+# Bytes of pending column gradients a convolution may hold before they are reduced, and of
+# one chunk of per-sample, per-column convolution gradients (kept small: it stays in cache).
+CONV_PENDING_BYTES = 64 * 2**20
+CONV_CHUNK_BYTES = 2 * 2**20
 
 
 def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
@@ -50,8 +53,8 @@ def _plain_2d(module: nn.modules.conv._ConvNd) -> bool:
 
 
 class ConvRule(BilinearRule):
-    def __init__(self, module: nn.modules.conv._ConvNd, calls, names, n, scale):
-        super().__init__(module, calls, names, n, scale)
+    def __init__(self, module: nn.modules.conv._ConvNd, calls, names, n, output_gradient_factor):
+        super().__init__(module, calls, names, n, output_gradient_factor)
         groups = module.groups
         self.raw_inputs, self.raw_deltas, ds = [], [], []
         for call in calls:
@@ -61,15 +64,15 @@ class ConvRule(BilinearRule):
             d = batch_first(output_gradient(call), call.batch_axis, n, "Convolution output")
             self.raw_deltas.append(d)
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
-        self.delta = concatenate(ds, 2) * scale  # [N, G, T, O/G]
+        self.delta = concatenate(ds, 2) * output_gradient_factor  # [N, G, T, O/G]
 
     @property
     def projection(self) -> Callable[[Tensor], Tensor] | None:
         """The layer's own convolution for G_n . V, except for 2d convolutions with one group
         and fewer than _WIDE_CHANNELS input channels (None: the unfolded closed form). On those
-        the convolution kernel is slow (measured, one CPU core, batch 128: 1 -> 32 channels
-        5x5 on 28x28, 29 ms against 13 ms by unfolding; 3 -> 64 5x5 on 32x32, 61 against
-        42 ms), and their unfolded input is only prod(kernel) times a few channels."""
+        the convolution kernel is slower than unfolding (BENCHMARKS.md, "Measurements behind
+        the engine's choices"), and their unfolded input is only prod(kernel) times a few
+        channels."""
         narrow = _plain_2d(self.module) and self.module.in_channels < _WIDE_CHANNELS
         return None if narrow else self._convolved_projection
 
@@ -82,7 +85,7 @@ class ConvRule(BilinearRule):
             mapped = self.module._conv_forward(x, v, None)
             p = torch.linalg.vecdot(mapped.flatten(1), d.flatten(1))
             result = p if result is None else result + p
-        return result * self.scale
+        return result * self.output_gradient_factor
 
     @property
     def gradients(self) -> Callable[[int, int], Tensor] | None:
@@ -122,7 +125,7 @@ class ConvRule(BilinearRule):
                     torch.bmm(wide, window.transpose(1, 2), out=g[i, j])
             g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
             total = g.contiguous() if total is None else total.add_(g)
-        return total.mul_(self.scale)
+        return total.mul_(self.output_gradient_factor)
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
@@ -132,3 +135,102 @@ class ConvRule(BilinearRule):
             cols = unfold(self.module, x[start:stop])  # [c, C*K, L]
             xs.append(cols.reshape(stop - start, groups, -1, cols.shape[-1]).transpose(2, 3))
         return concatenate(xs, 2)
+
+    @classmethod
+    def column_sums(cls, module, calls, names, n, traces):
+        """Called once on an input [N, C, *spatial]: no closed form (the output locations are
+        shared axes), but the per-sample, per-column gradients of many columns at once
+        (:class:`ConvColumnSums`). Else the default. With ``traces``, the sums are formed and
+        summed."""
+        if len(calls) != 1 or not _single_input(calls[0], module, n):
+            return super().column_sums(module, calls, names, n, traces)
+        sums = ConvColumnSums(module, calls[0], n)
+        sums.names, sums.traces = list(names), traces
+        return sums
+
+
+def _single_input(call, module, n: int) -> bool:
+    x = call.args[0] if len(call.args) == 1 and not call.kwargs else None
+    return (
+        isinstance(x, Tensor)
+        and len(call.nodes) == 1
+        and call.node_outputs == [0]
+        and x.dim() == len(module.kernel_size) + 2
+        and x.shape[call.batch_axis] == n
+        and x._version == call.input_versions[0]
+    )
+
+
+class ConvColumnSums(ColumnSums):
+    """sum_j sum_n g_{n,j}^2 of a convolution's weight and bias (module called once), g_{n,j}
+    the gradient of sample n for column j: G_{n,j,g} = delta_{n,j,g} X_{n,g}^T with the
+    unfolded input X_{n,g} [locations, (in channels / groups) x kernel].
+
+    The columns' output gradients are kept (up to :data:`CONV_PENDING_BYTES`) and reduced
+    together, a few samples at a time so that everything stays in cache: per sample and group
+    one product [k columns x out channels / groups, locations] @ [locations, in / groups x
+    kernel], squared in place and summed. The input is unfolded once per k columns (not once per
+    column), each product is k times larger than one column's, and no [N, k, ...] copy of the
+    columns is made.
+    """
+
+    def __init__(self, module, call, n: int):
+        self.module, self.call, self.n = module, call, n
+        self.names: list[str] = []
+        self.traces = False
+        self.groups = module.groups
+        self.pending: list[Tensor] = []
+        self.weight_sum: Tensor | None = None
+        self.bias_sum: Tensor | None = None
+
+    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
+        d = grad_outputs[0][0]
+        if d is None:
+            return
+        d = d.movedim(self.call.batch_axis, 0)
+        d = d.reshape(self.n, self.groups, d.shape[1] // self.groups, -1)  # [N, G, O/G, T]
+        if "bias" in self.names:
+            b = d.sum(-1).reshape(self.n, -1)
+            self.bias_sum = b * b if self.bias_sum is None else self.bias_sum.addcmul_(b, b)
+            # (summed over samples in result(): sum_n of [N, O] rows, cheap)
+        if "weight" in self.names:
+            self.pending.append(d)
+            if len(self.pending) * d.numel() * d.element_size() >= CONV_PENDING_BYTES:
+                self._reduce()
+
+    def _reduce(self) -> None:
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        n, groups, k = self.n, self.groups, len(pending)
+        x = self.call.args[0].movedim(self.call.batch_axis, 0)
+        o, t = pending[0].shape[2], pending[0].shape[3]
+        i = (x.shape[1] // groups) * math.prod(self.module.kernel_size)
+        per_sample = groups * (k * o * (t + i) + t * i) * pending[0].element_size()
+        step = max(1, min(n, CONV_CHUNK_BYTES // max(1, per_sample)))
+        total = self.weight_sum
+        for start in range(0, n, step):
+            stop = min(n, start + step)
+            # the chunk's columns side by side, [c, G, k O/G, T], and its unfolded input
+            d = torch.cat([p[start:stop] for p in pending], 2) if k > 1 else pending[0][start:stop]
+            cols = unfold(self.module, x[start:stop])  # [c, C K, T]
+            cols = cols.reshape(stop - start, groups, i, t)
+            g = torch.matmul(d, cols.transpose(-1, -2))  # [c, G, k O/G, I/G]
+            g = g.mul_(g).reshape(stop - start, groups, k, o, i)
+            part = g.sum((0, 2))  # [G, O/G, I/G]
+            total = part if total is None else total.add_(part)
+        self.weight_sum = total
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        self._reduce()
+        out: list[Tensor | None] = []
+        for name in self.names:
+            p = self.module.get_parameter(name)
+            s = self.weight_sum if name == "weight" else self.bias_sum
+            if s is None:
+                out.append(None)
+                continue
+            s = s.sum(0) if name == "bias" else s
+            s = s.reshape(p.shape).mul_(scale)
+            out.append(s.sum() if self.traces else s)
+        return out

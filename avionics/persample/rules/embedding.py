@@ -16,8 +16,8 @@ from avionics.persample.rules.base import Rule, batch_first, output_gradient
 
 
 class EmbeddingRule(Rule):
-    def __init__(self, module: nn.Embedding, calls, names, n, scale):
-        super().__init__(module, calls, names, n, scale)
+    def __init__(self, module: nn.Embedding, calls, names, n, output_gradient_factor):
+        super().__init__(module, calls, names, n, output_gradient_factor)
         if module.scale_grad_by_freq:
             raise NotImplementedError(
                 "nn.Embedding with scale_grad_by_freq=True scales each gradient row by its "
@@ -30,7 +30,7 @@ class EmbeddingRule(Rule):
             d = batch_first(output_gradient(call), call.batch_axis, n, "Embedding output")
             idx.append(i.reshape(n, -1))
             ds.append(d.reshape(n, -1, d.shape[-1]))
-        index, delta = torch.cat(idx, 1), torch.cat(ds, 1) * scale
+        index, delta = torch.cat(idx, 1), torch.cat(ds, 1) * output_gradient_factor
         if module.padding_idx is not None:
             delta = delta.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
         vocab = module.num_embeddings

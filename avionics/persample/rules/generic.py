@@ -2,7 +2,7 @@
 
 For sample n, with the module's captured inputs x_n and output gradients delta_n,
 
-    g_n = scale * (d module(x_n; theta) / d theta)^T delta_n,
+    g_n = output_gradient_factor * (d module(x_n; theta) / d theta)^T delta_n,
 
 one vector-Jacobian product of the module alone (its children run inside it with their
 parameters held fixed). ``torch.func.vmap`` batches the products over samples; modules vmap
@@ -43,7 +43,7 @@ class GenericRule(Rule):
         for i in range(len(call.outputs)):
             d = output_gradient(call, i)
             a = _batch_axis_of(d, axis, n)
-            deltas.append(d.narrow(a, start, stop - start) * self.scale)
+            deltas.append(d.narrow(a, start, stop - start) * self.output_gradient_factor)
             delta_axes.append(a)
         params = {name: p.detach() for name, p in zip(self.names, self.params, strict=True)}
         module = self.module

@@ -29,7 +29,6 @@ _warned_batchnorm_train = False
 def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
     """x_hat, and how many leading axes (batch included) are summed over."""
     # x_hat by the layer's own kernel without its affine part: the same numbers as its forward
-    # (and several times faster than var_mean on short rows)
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         shape = module.normalized_shape
         if isinstance(module, nn.LayerNorm):
@@ -67,13 +66,16 @@ def _warn_batchnorm_train() -> None:
 
 
 class NormalizationRule(Rule):
-    def __init__(self, module, calls, names, n, scale):
-        super().__init__(module, calls, names, n, scale)
+    def __init__(self, module, calls, names, n, output_gradient_factor):
+        super().__init__(module, calls, names, n, output_gradient_factor)
         grads = {name: 0 for name in names}
         for call in calls:
             x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
             d = output_gradient(call)
-            d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output") * scale
+            d = (
+                batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
+                * output_gradient_factor
+            )
             x_hat, lead = _normalized(module, x)
             if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 d = d.movedim(1, -1)

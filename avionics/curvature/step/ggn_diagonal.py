@@ -1,0 +1,224 @@
+"""The diagonal of the generalized Gauss-Newton matrix of one captured, graph-keeping step.
+
+For the mini-batch mean loss L = mean_n l_n, G = (1/N) sum_n J_n^T H_n J_n, with J_n the
+Jacobian of the model output for sample n and H_n the Hessian of l_n w.r.t. that output.
+Write H_n = S_n S_n^T (:mod:`avionics.curvature.step.loss_root`); then
+
+    G_dd = (1/N) sum_n sum_j (J_n^T S_n e_j)_d^2:
+
+the per-sample "gradients" obtained by backpropagating the columns S_n e_j instead of
+dl_n/dout, squared and summed (``"diag_ggn_exact"``). ``"diag_ggn_mc"`` uses S_n z_n,
+z_n ~ N(0, I) from a seeded generator (E[S z z^T S^T] = H_n), averaged over ``mc_samples``
+draws: an unbiased estimate, one backward per draw whatever the output size.
+
+Each column goes back from the model output to every captured module output in one backward
+(none when that output is the model output itself); the squared per-sample gradients are
+summed over the columns by each parameter's per-layer rule (:meth:`Rule.column_sums
+<avionics.persample.rules.base.Rule.column_sums>`: a closed form for Linear layers without
+shared axes, all columns in one product per sample for convolutions, the rule's own statistics
+for everything else), routed as the per-sample engine routes the parameter.
+
+Cost, with K columns (V - 1 = 9 for 10 classes): K backwards from the output to the layer
+outputs (no weight gradients), each roughly the input-gradient half of a backward; for each
+convolution, K times the multiply-adds of its forward (the per-sample, per-column weight
+gradients have no cheaper exact form); for Linear layers, one product the size of the layer's
+forward in all. So on 10 classes the exact diagonal costs several plain steps on any network
+whose backward is not negligible; the MC diagonal costs one column. The exact diagonal needs
+M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor, nn
+
+from avionics.curvature.step._autograd import edge, key
+from avionics.curvature.step.loss_root import check_exact_columns, loss_hessian_root
+from avionics.persample.request import Accumulator, Request
+from avionics.persample.rules import rule_for
+from avionics.persample.rules.base import ColumnSums, chunk_size
+
+
+def ggn_diagonal(
+    model: nn.Module,
+    engine,
+    calls: dict,
+    individual_losses: Tensor,
+    params: list[Tensor],
+    mc_samples: int | None = None,
+    generator: torch.Generator | None = None,
+    traces: bool = False,
+) -> list[Tensor]:
+    """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss, or with
+    ``traces`` only its sum per parameter, sum_d G_dd (0-dim tensors).
+
+    With a square root S_n of the loss Hessian H_n w.r.t. sample n's output (S_n S_n^T = H_n,
+    see :func:`~avionics.curvature.step.loss_root.loss_hessian_root`), G_dd = (1/N) sum_n sum_j
+    (J_n^T S_n e_j)_d^2 (exact: every column of the factor) or (1/(N K)) sum_n sum_k
+    (J_n^T S_n z_{n,k})_d^2 (Monte Carlo: z ~ N(0, I) from ``generator``, K = ``mc_samples``).
+    Each column S e_j (or S z) is backpropagated from the model output to every captured
+    module output, one backward per column; the squared per-sample gradients are summed over
+    columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
+    ||J_n^T S_n e_j||^2, which Linear layers without shared axes have in closed form.
+    """
+    root = _root_call(model, calls, len(individual_losses))
+    n = len(individual_losses)
+    out_edge = edge(root.nodes[0])
+    out_shape = root.outputs[root.node_outputs[0]].shape
+    m = out_shape.numel() // n
+    if mc_samples is None:
+        check_exact_columns(out_shape, m)
+    (u,) = torch.autograd.grad(
+        individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
+    )
+    root_of = loss_hessian_root(individual_losses, root, u)
+    if mc_samples is None:
+        columns = root_of.columns()
+    else:
+        z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
+        columns = (root_of(zk) for zk in z.to(u.device))
+    sums = _ColumnSums(engine, calls, params, n, traces)
+    moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
+    # the model output is often a captured output too (a final Linear): its column is given
+    inner = [i for i, k in enumerate(sums.keys) if k != key(root.nodes[0])]
+    edges = [sums.edges[i] for i in inner]
+    for column in columns:
+        column = column.reshape(moved_shape).movedim(0, root.batch_axis)
+        grads = [column] * len(sums.edges)
+        if edges:
+            found = torch.autograd.grad(
+                [out_edge], edges, [column], retain_graph=True, allow_unused=True
+            )
+            for i, g in zip(inner, found, strict=True):
+                grads[i] = g
+        sums.add(grads)
+    return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
+
+
+def _root_call(model: nn.Module, calls: dict, n: int):
+    roots = calls.get(model, [])
+    if len(roots) != 1 or len(roots[0].nodes) != 1:
+        raise RuntimeError(
+            "The GGN diagonal needs exactly one forward of the model with one tensor output per "
+            f"step; this step has {len(roots)} calls of the model. Use curvature='diag_h'."
+        )
+    root = roots[0]
+    shape = root.outputs[root.node_outputs[0]].shape
+    if shape[root.batch_axis] != n:
+        raise ValueError(
+            f"The GGN diagonal needs the batch ({n} samples) on axis {root.batch_axis} of the "
+            f"model output; it has shape {tuple(shape)}."
+        )
+    return root
+
+
+class _ColumnSums:
+    """sum over columns of sum_n g_{n,d}^2, g_n the per-sample gradient of one backpropagated
+    column, from the columns' gradients w.r.t. the captured module outputs (with ``traces``,
+    only sum_d of each parameter's sums).
+
+    Each parameter is routed as the engine routes it (:meth:`PerSampleEngine.contributions
+    <avionics.persample.engine.PerSampleEngine.contributions>`, the gradient check's moves to
+    the root's generic rule included). One contribution: its module's rule accumulates the
+    columns (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`).
+    Several (tied weights): g_n is the sum of the contributions' materialised gradients,
+    summed in chunks before squaring, as the engine does for them (||a + b||^2 is not
+    ||a||^2 + ||b||^2).
+    """
+
+    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool = False):
+        self.engine, self.calls, self.params = engine, calls, params
+        self.n, self.traces = n, traces
+        keyed: dict = {}
+        for module_calls in calls.values():
+            for call in module_calls:
+                for node in call.nodes:
+                    keyed.setdefault(key(node), edge(node))
+        self.keys = list(keyed)
+        self.edges = [keyed[k] for k in self.keys]
+        self.contributions = engine.contributions(calls, n)
+        single: dict[nn.Module, list[str]] = {}
+        self.summed: dict[nn.Module, list[str]] = {}  # modules of several-contribution params
+        for pairs in self.contributions:
+            into = single if len(pairs) == 1 else self.summed
+            for module, name in pairs:
+                names = into.setdefault(module, [])
+                if name not in names:
+                    names.append(name)
+        for module in {**single, **self.summed}:
+            for call in calls[module]:
+                call.check_inputs_unchanged(engine.module_name(module))
+        self.sums = {}
+        for module, names in single.items():
+            with engine.naming(module):
+                self.sums[module] = rule_for(module, names).column_sums(
+                    module, calls[module], names, n, traces
+                )
+        self.totals: list[Tensor | None] = [None] * len(params)
+
+    def _grad_outputs(self, module, by_key) -> list[list[Tensor | None]]:
+        outs = []
+        for call in self.calls[module]:
+            call_outs: list[Tensor | None] = [None] * len(call.outputs)
+            for i, node in zip(call.node_outputs, call.nodes, strict=True):
+                call_outs[i] = by_key[key(node)]
+            outs.append(call_outs)
+        return outs
+
+    def add(self, grads) -> None:
+        by_key = dict(zip(self.keys, grads, strict=True))
+        with torch.no_grad():
+            for module, sums in self.sums.items():
+                if type(sums) is ColumnSums:  # the rule's own statistics: name its errors
+                    with self.engine.naming(module):
+                        sums.add(self._grad_outputs(module, by_key))
+                else:  # a closed form over the columns (Linear, convolution)
+                    sums.add(self._grad_outputs(module, by_key))
+            if self.summed:
+                self._add_summed(by_key)
+
+    def _add_summed(self, by_key) -> None:
+        rules = {}
+        for module, names in self.summed.items():
+            calls = []
+            for call, outs in zip(self.calls[module], self._grad_outputs(module, by_key)):
+                copy = dataclasses.replace(call)  # (__post_init__ resets grad_outputs)
+                copy.grad_outputs = outs
+                calls.append(copy)
+            with self.engine.naming(module):
+                rules[module] = rule_for(module, names)(module, calls, names, self.n, 1.0)
+        request = Request(sq_norms=True) if self.traces else Request(sum_sq=True)
+        for k, pairs in enumerate(self.contributions):
+            if len(pairs) < 2:
+                continue
+            p = self.params[k]
+            acc = Accumulator(request, {}, k)
+            step = chunk_size(self.n, p.numel(), p.element_size())
+            for start in range(0, self.n, step):
+                stop = min(self.n, start + step)
+                chunk = 0
+                for module, name in pairs:
+                    rule = rules[module]
+                    with self.engine.naming(module):
+                        chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
+                acc.add(chunk)
+            s = acc.result()["sq_norms"].sum() if self.traces else acc.result()["sum_sq"]
+            self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
+
+    def result(self, scale: float = 1.0) -> list[Tensor]:
+        """``scale`` times the sums (or their traces), one tensor per parameter (owned by the
+        caller)."""
+        with torch.no_grad():
+            results = {module: sums.result(scale) for module, sums in self.sums.items()}
+            for k, pairs in enumerate(self.contributions):
+                if len(pairs) == 1:
+                    module, name = pairs[0]
+                    self.totals[k] = results[module][self.sums[module].names.index(name)]
+                elif self.totals[k] is not None:
+                    self.totals[k].mul_(scale)
+        return [
+            t if t is not None else (p.new_zeros(()) if self.traces else torch.zeros_like(p))
+            for t, p in zip(self.totals, self.params, strict=True)
+        ]

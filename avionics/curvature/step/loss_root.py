@@ -1,0 +1,143 @@
+"""The square root of the loss Hessian of a captured step, found from the graph of its losses.
+
+The GGN diagonal needs, per sample n, a factor S_n with S_n S_n^T = H_n, the Hessian of the
+per-sample loss l_n w.r.t. sample n's model output. The operators know ``loss_fn`` and take
+its closed form (:func:`~avionics.curvature._losses.output_hessian_square_root`); a captured
+step has only ``individual_losses`` and the graph that produced them, so the loss is
+recognised there (:func:`loss_hessian_root`) and every closed form is verified with one random
+probe v (H v from autograd against the formula, relative residual <= 10 sqrt(eps)):
+
+* softmax cross-entropy: l_n's graph reaches the output through one log-softmax (and layout
+  operations only), and H_n = blockdiag_t c_t (diag p_t - p_t p_t^T) over the positions t
+  (every axis but the batch and the class axis), p_t the softmax of position t, c_t >= 0 a
+  weight (1/T for a mean over T tokens), fitted from the probe; its factor with V - 1 columns
+  per position is :class:`~avionics.curvature._losses.SoftmaxHessianRoot`;
+* a scaled identity H_n = c_n I (squared error): S z = sqrt(c_n) z;
+* otherwise H_n is formed densely (M Hessian-vector products batched, M <= MAX_OUTPUT_SIZE)
+  and factored by its eigendecomposition (:func:`~avionics.curvature._losses.psd_square_root`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from avionics.curvature._losses import HessianRoot, SoftmaxHessianRoot, psd_square_root
+from avionics.curvature.step._autograd import batched_grad, edge
+
+# Most output entries per sample for the exact GGN diagonal (one column each) and the dense
+# loss Hessian of an unrecognised loss.
+MAX_OUTPUT_SIZE = 4096
+
+# Autograd nodes that only rearrange a tensor (their backward is the inverse rearrangement).
+_LAYOUT_NODES = {
+    "ViewBackward0",
+    "UnsafeViewBackward0",
+    "ReshapeAliasBackward0",
+    "TransposeBackward0",
+    "PermuteBackward0",
+    "CloneBackward0",
+}
+
+
+def check_exact_columns(out_shape, m: int) -> None:
+    """The exact diagonal backpropagates one column per output entry of a sample (m of them)."""
+    if m > MAX_OUTPUT_SIZE:
+        raise ValueError(
+            f"The exact GGN diagonal backpropagates one column per output entry of a sample: "
+            f"the model output has shape {tuple(out_shape)}, {m} entries per sample (limit "
+            f"{MAX_OUTPUT_SIZE}). Use curvature='diag_ggn_mc'."
+        )
+
+
+def loss_hessian_root(individual_losses: Tensor, root, u: Tensor) -> HessianRoot:
+    """A map z -> S_n z with S_n S_n^T = H_n, the Hessian of l_n w.r.t. sample n's output
+    (z and the result: [N, M], batch first, the sample's output flattened).
+
+    ``root`` is the captured call of the model, ``u`` = d sum_n l_n / d output with its graph.
+    Closed forms where the loss graph establishes them (see the module's docstring), else the
+    dense factor; eigenvalues below eps^(2/3) * max are dropped, negative ones beyond that are
+    an error (the GGN would not be positive semi-definite).
+    """
+    out_edge = edge(root.nodes[0])
+    n = u.shape[root.batch_axis]
+    moved = u.movedim(root.batch_axis, 0)
+    m = moved[0].numel()
+    probe_gen = torch.Generator(device="cpu").manual_seed(0)
+    v = torch.randn(moved.shape, generator=probe_gen, dtype=u.dtype).to(u.device)
+    (hv,) = torch.autograd.grad(
+        [u], [out_edge], [v.movedim(0, root.batch_axis)], retain_graph=True
+    )
+    hv = hv.movedim(root.batch_axis, 0)
+    tol = 10 * torch.finfo(u.dtype).eps ** 0.5 * float(hv.norm())
+
+    probs = _softmax_probabilities(individual_losses, root)
+    if probs is not None:
+        p = probs.movedim(root.batch_axis, 0)
+        for axis in _probability_axes(p):
+            q = p * v - p * (p * v).sum(axis, keepdim=True)
+            qq = q.pow(2).sum(axis, keepdim=True)
+            c = torch.where(qq > 0, (hv * q).sum(axis, keepdim=True) / qq, 0.0)
+            if float((hv - c * q).norm()) <= tol and bool((c >= -tol).all()):
+                return SoftmaxHessianRoot(p, c.clamp_min(0), axis, n)
+    flat_v, flat_hv = v.reshape(n, m), hv.reshape(n, m)
+    c = (flat_hv * flat_v).sum(1, keepdim=True) / flat_v.pow(2).sum(1, keepdim=True)
+    if float((flat_hv - c * flat_v).norm()) <= tol and bool((c >= -tol).all()):
+        root_c = c.clamp_min(0).sqrt()
+        return HessianRoot(lambda z: root_c * z, n, m, u)
+    return _dense_root(u, root, n, m)
+
+
+def _softmax_probabilities(individual_losses: Tensor, root) -> Tensor | None:
+    """exp of the one log-softmax between the model output and the losses, in the output's
+    layout; None if there is not exactly one, or it is not reached by layout operations."""
+    out_node, out_nr = root.nodes[0] if not isinstance(root.nodes[0], Tensor) else (None, 0)
+    found, seen, queue = [], set(), [individual_losses.grad_fn]
+    while queue and len(seen) < 64:  # the loss's own graph only: stop at the model output
+        node = queue.pop()
+        if node is None or node is out_node or node in seen:
+            continue
+        seen.add(node)
+        if type(node).__name__ == "LogSoftmaxBackward0":
+            found.append(node)
+        queue.extend(f for f, _ in node.next_functions)
+    if len(found) != 1 or out_node is None:
+        return None
+    log_p, (node, nr) = found[0]._saved_result, found[0].next_functions[0]
+    chain = []
+    while node is not out_node:
+        if node is None or type(node).__name__ not in _LAYOUT_NODES:
+            return None
+        chain.append(node)
+        node, nr = node.next_functions[0]
+    if nr != out_nr:
+        return None
+    for layout in chain:
+        log_p = layout(log_p)
+    return log_p.detach().exp()
+
+
+def _probability_axes(p: Tensor) -> list[int]:
+    """The axes (not the batch axis 0) along which p sums to one everywhere."""
+    tol = 10 * torch.finfo(p.dtype).eps ** 0.5
+    return [a for a in range(1, p.dim()) if bool(((p.sum(a) - 1).abs() <= tol).all())]
+
+
+def _dense_root(u: Tensor, root, n: int, m: int) -> HessianRoot:
+    """H_n from M batched Hessian-vector products e_j -> d (u . e_j) / d output, factored."""
+    if m > MAX_OUTPUT_SIZE:
+        raise ValueError(
+            f"The GGN diagonal forms the loss Hessian w.r.t. each sample's output densely when "
+            f"the loss is not recognised (softmax cross-entropy, squared error); the model "
+            f"output has {m} entries per sample (limit {MAX_OUTPUT_SIZE}). Use "
+            "curvature='diag_h' on a small model."
+        )
+    out_edge = edge(root.nodes[0])
+    moved_shape = u.movedim(root.batch_axis, 0).shape
+    eye = torch.eye(m, dtype=u.dtype, device=u.device)
+    probes = eye.reshape(m, 1, *moved_shape[1:]).expand(m, *moved_shape)
+    probes = probes.movedim(1, root.batch_axis + 1)
+    (hess,) = batched_grad([u], [out_edge], [probes])  # [m, *out_shape]
+    hess = hess.movedim(root.batch_axis + 1, 1).reshape(m, n, m).transpose(0, 1)  # [N, m, m]
+    S = psd_square_root(hess)
+    return HessianRoot(lambda z: torch.einsum("nij,nj->ni", S, z), n, m, u)

@@ -1,0 +1,269 @@
+"""One tracked step's per-sample information: its captured layer calls and their rules.
+
+A :class:`CapturedStep` is made by :meth:`PerSampleEngine.step
+<avionics.persample.engine.PerSampleEngine.step>` after the user's backward. It knows, for
+every tracked parameter, which module calls its per-sample gradient g_n sums over (its
+*contributions*, see :mod:`avionics.persample.engine`), builds each module's rule once, and
+answers every :class:`~avionics.persample.request.Request` of the step from them:
+
+* :meth:`CapturedStep.statistics`: the step's own statistics (one call for the merged request
+  of all active quantities), or, later, projections onto a direction known only after the
+  update (Alpha projects the start step's g_n onto theta_{t+1} - theta_t), with the step's
+  parameter values swapped back in;
+* :meth:`CapturedStep.mean_gradient_factors`: the factors of g = (1/N) sum_n delta_n x_n^T
+  where a Linear weight has them (Alpha keeps them instead of a copy of g).
+
+Its results are plain per-parameter tensors: sums over the samples of this process's batch.
+The rules hold copies of the step's output gradients multiplied by the output-gradient factor
+(:attr:`CapturedStep.output_gradient_factor`); :meth:`release_rules` lets them go while the
+step itself is still wanted, and dropping the step releases everything it captured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.capture import ModuleCall
+from avionics.persample.request import Accumulator, Request, Statistics
+from avionics.persample.rules import rule_for
+from avionics.persample.rules.base import Rule, chunk_size
+from avionics.persample.rules.bilinear import BilinearRule
+from avionics.persample.rules.factored import FactoredDirection, dense
+from avionics.persample.rules.linear import LinearRule
+
+if TYPE_CHECKING:
+    from avionics.persample.engine import PerSampleEngine
+
+
+class CapturedStep:
+    """The per-sample statistics of one captured forward and backward.
+
+    Args:
+        engine: the engine whose parameters and routing this step follows.
+        calls: the captured calls that received a gradient, grouped by module.
+        n: the number of samples N.
+        output_gradient_factor: the factor that turns a captured output gradient into the
+            per-sample one: g_n = factor * (the sample-n part of the backpropagated gradient),
+            N for a mean-reduced loss (whose backward carries dl_n/dout / N), 1 for a sum.
+    """
+
+    def __init__(
+        self,
+        engine: PerSampleEngine,
+        calls: dict[nn.Module, list[ModuleCall]],
+        n: int,
+        output_gradient_factor: float,
+    ):
+        self.engine, self.calls, self.n = engine, calls, n
+        self.output_gradient_factor = output_gradient_factor
+        # contributions[k]: the (module, parameter name) pairs whose g_n parameter k sums
+        self.contributions = engine.contributions(calls, n)
+        self._rules: dict[nn.Module, Rule] | None = None
+        self._all_rules = False  # whether _rules holds every module's rule
+
+    @property
+    def rules(self) -> dict[nn.Module, Rule]:
+        """Each contributing module's rule, built on first use and kept until
+        :meth:`release_rules`."""
+        if not self._all_rules:
+            self._rules, self._all_rules = self._build_rules(), True
+        return self._rules
+
+    def _build_rules(self) -> dict[nn.Module, Rule]:
+        names: dict[nn.Module, list[str]] = {}
+        for pairs in self.contributions:
+            for module, name in pairs:
+                module_names = names.setdefault(module, [])
+                if name not in module_names:
+                    module_names.append(name)
+        rules = {}
+        for module, module_names in names.items():
+            where = self.engine.module_name(module)
+            for call in self.calls[module]:
+                call.check_inputs_unchanged(where)
+            with self.engine.naming(module):
+                rules[module] = rule_for(module, module_names)(
+                    module, self.calls[module], module_names, self.n, self.output_gradient_factor
+                )
+        return rules
+
+    def release_rules(self, keep: Callable[[Rule], bool] | None = None) -> None:
+        """Forget the rules (they hold scaled copies of the output gradients), except those
+        for which ``keep(rule)`` is true; later requests rebuild what they need."""
+        if self._rules is not None:
+            kept = {m: r for m, r in self._rules.items() if keep is not None and keep(r)}
+            self._rules, self._all_rules = kept, False
+
+    # ----------------------------------------------------------------------------------------
+    def statistics(
+        self,
+        request: Request,
+        directions: dict[str, list[Tensor]],
+        params: list[Tensor] | None = None,
+    ) -> Statistics:
+        """The request's statistics of this step's g_n, one entry per tracked parameter.
+
+        ``directions[name][k]`` is direction ``name`` for parameter k (a tensor, or a
+        :class:`~avionics.persample.rules.factored.FactoredDirection`). Once the parameters
+        have changed (after ``optimizer.step()``), pass ``params``, their values at this step:
+        they are swapped in while it runs, for the rules that re-run a module's forward, and
+        rules are built afresh for them.
+        """
+        if params is None:
+            return self._statistics(self.rules, request, directions)
+        tracked = self.engine.params
+        now = [p.data for p in tracked]
+        try:
+            for p, value in zip(tracked, params, strict=True):
+                p.data = value
+            return self._statistics(self._build_rules(), request, directions)
+        finally:
+            for p, value in zip(tracked, now, strict=True):
+                p.data = value
+
+    def _statistics(self, rules, request: Request, directions) -> Statistics:
+        contributions, params = self.contributions, self.engine.params
+        with torch.no_grad():
+            per_param: list[dict] = [{} for _ in params]
+            # Projections are linear in g_n: a parameter with several contributions (tied
+            # weights) gets them as the sum of each contribution's closed form when only
+            # directions are asked; norms and visitors need the summed g_n materialised.
+            # The directions are renamed there, so that no rule takes "grad" for the mean of
+            # its own contribution.
+            linear_only = not (request.sq_norms or request.sum_sq or request.visitors)
+            part = {d: f"{d} (one contribution)" for d in request.directions}
+            partial = Request(directions=frozenset(part.values()))
+            summed: dict[int, dict[str, Tensor]] = {}
+            for rule in rules.values():
+                # factored directions reach the bilinear rules only (dense for the others)
+                keep = _unchanged if isinstance(rule, BilinearRule) else dense
+                requests, dirs, indices = [], [], []
+                for name in rule.names:
+                    k = self.engine.index_of(rule.module.get_parameter(name))
+                    if len(contributions[k]) == 1:
+                        requests.append(request)
+                        dirs.append({d: keep(directions[d][k]) for d in request.directions})
+                    elif linear_only:
+                        requests.append(partial)
+                        dirs.append({part[d]: dense(directions[d][k]) for d in part})
+                    else:
+                        requests.append(Request())
+                        dirs.append({})
+                    indices.append(k)
+                with self.engine.naming(rule.module):
+                    results = rule.statistics(_visitors_at(requests, indices), dirs)
+                for k, result in zip(indices, results, strict=True):
+                    if len(contributions[k]) == 1:
+                        per_param[k] = result
+                    elif linear_only and part:
+                        into = summed.setdefault(k, {})
+                        for d, renamed in part.items():
+                            value = result["projections"][renamed]
+                            into[d] = value if d not in into else into[d] + value
+            for k, pairs in enumerate(contributions):
+                if len(pairs) > 1 and linear_only:
+                    per_param[k] = {"projections": summed.get(k, {})}
+                elif len(pairs) > 1:
+                    per_param[k] = self._summed_statistics(k, rules, request, directions)
+                elif not pairs:
+                    per_param[k] = _zero_statistics(params[k], request, directions, self.n, k)
+        return _collect(per_param, request)
+
+    def _summed_statistics(self, k, rules, request, directions) -> dict:
+        """Parameter k's statistics from its several contributions, materialised in chunks
+        and summed (||a + b||^2 is not ||a||^2 + ||b||^2)."""
+        p = self.engine.params[k]
+        acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
+        step = chunk_size(self.n, p.numel(), p.element_size())
+        for start in range(0, self.n, step):
+            stop = min(self.n, start + step)
+            chunk = 0
+            for module, name in self.contributions[k]:
+                rule = rules[module]
+                with self.engine.naming(module):
+                    chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
+            acc.add(chunk)
+        return acc.result()
+
+    def totals(self) -> list[list[Tensor]]:
+        """sum_n g_n of each contribution of each parameter (the gradient check's sums)."""
+        with torch.no_grad():
+            totals = {}
+            for module, rule in self.rules.items():
+                with self.engine.naming(module):
+                    totals[module] = rule.total()
+            return [
+                [totals[module][self.rules[module].names.index(name)] for module, name in pairs]
+                for pairs in self.contributions
+            ]
+
+    def mean_gradient_factors(self) -> list[tuple[Tensor, Tensor] | None]:
+        """For each parameter, (delta, x) with g = (1/N) sum_m delta_m x_m^T (delta [N, O]
+        already scaled, x [N, I]) where it is a Linear weight without shared axes whose factors
+        are smaller than the weight (see :mod:`avionics.persample.rules.factored`); else None.
+        """
+        # the factorable rules are all kept by release_rules(keep=factorable)
+        rules = self.rules if self._rules is None else self._rules
+        factors: list[tuple | None] = [None] * len(self.engine.params)
+        for k, pairs in enumerate(self.contributions):
+            if len(pairs) != 1 or self.engine.rerouted(k):
+                continue
+            module, name = pairs[0]
+            rule = rules.get(module)
+            if name != "weight" or rule is None or not factorable(rule):
+                continue
+            weight = rule._weight()
+            if FactoredDirection.worth_it(self.n, weight.i, weight.o):
+                factors[k] = (weight.delta[:, 0, 0], weight.x[:, 0, 0])
+        return factors
+
+
+def factorable(rule: Rule) -> bool:
+    """Whether :meth:`CapturedStep.mean_gradient_factors` may factor the rule's weight: a
+    Linear layer without shared axes (T = 1)."""
+    return isinstance(rule, LinearRule) and rule.delta.shape[2] == 1
+
+
+def _unchanged(v):
+    return v
+
+
+def _visitors_at(requests: list[Request], indices: list[int]) -> list[Request]:
+    """Visitors are called with the engine's parameter index, not the rule's."""
+    return [
+        r if not r.visitors else _reindexed(r, k) for r, k in zip(requests, indices, strict=True)
+    ]
+
+
+def _reindexed(request: Request, k: int) -> Request:
+    def at(visit):
+        return lambda _, chunk: visit(k, chunk)
+
+    return Request(
+        sq_norms=request.sq_norms,
+        sum_sq=request.sum_sq,
+        directions=request.directions,
+        visitors=tuple(at(v) for v in request.visitors),
+    )
+
+
+def _zero_statistics(p: Tensor, request: Request, directions, n: int, k: int) -> dict:
+    """A parameter no gradient reached: every g_n is zero."""
+    acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
+    acc.add(p.new_zeros(n, *p.shape))
+    return acc.result()
+
+
+def _collect(per_param: list[dict], request: Request) -> Statistics:
+    stats = Statistics()
+    if request.sq_norms:
+        stats.sq_norms = [r["sq_norms"] for r in per_param]
+    if request.sum_sq:
+        stats.sum_sq = [r["sum_sq"] for r in per_param]
+    for d in request.directions:
+        stats.projections[d] = [r["projections"][d] for r in per_param]
+    return stats

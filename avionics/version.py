@@ -1,0 +1,3 @@
+"""The version of avionics (read by the package and written into every run log)."""
+
+__version__ = "0.1.0"
