@@ -168,26 +168,12 @@ class CapturedStep:
                 if len(pairs) > 1 and linear_only:
                     per_param[k] = {"projections": summed.get(k, {})}
                 elif len(pairs) > 1:
-                    per_param[k] = self._summed_statistics(k, rules, request, directions)
+                    per_param[k] = summed_statistics(
+                        self.engine, rules, pairs, params[k], k, request, directions, self.n
+                    )
                 elif not pairs:
                     per_param[k] = _zero_statistics(params[k], request, directions, self.n, k)
         return _collect(per_param, request)
-
-    def _summed_statistics(self, k, rules, request, directions) -> dict:
-        """Parameter k's statistics from its several contributions, materialised in chunks
-        and summed (||a + b||^2 is not ||a||^2 + ||b||^2)."""
-        p = self.engine.params[k]
-        acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
-        step = chunk_size(self.n, p.numel(), p.element_size())
-        for start in range(0, self.n, step):
-            stop = min(self.n, start + step)
-            chunk = 0
-            for module, name in self.contributions[k]:
-                rule = rules[module]
-                with self.engine.naming(module):
-                    chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
-            acc.add(chunk)
-        return acc.result()
 
     def totals(self) -> list[list[Tensor]]:
         """sum_n g_n of each contribution of each parameter (the gradient check's sums)."""
@@ -220,6 +206,23 @@ class CapturedStep:
             if FactoredDirection.worth_it(self.n, weight.i, weight.o):
                 factors[k] = (weight.delta[:, 0, 0], weight.x[:, 0, 0])
         return factors
+
+
+def summed_statistics(engine, rules, pairs, p: Tensor, k: int, request, directions, n) -> dict:
+    """The statistics of parameter k (``p``) whose g_n sums several contributions ``pairs``
+    (tied weights): their materialised gradients are summed in chunks before reducing, since
+    ||a + b||^2 is not ||a||^2 + ||b||^2. ``rules`` maps each module to its rule."""
+    acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
+    step = chunk_size(n, p.numel(), p.element_size())
+    for start in range(0, n, step):
+        stop = min(n, start + step)
+        chunk = 0
+        for module, name in pairs:
+            rule = rules[module]
+            with engine.naming(module):
+                chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
+        acc.add(chunk)
+    return acc.result()
 
 
 def factorable(rule: Rule) -> bool:

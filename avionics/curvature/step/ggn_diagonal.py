@@ -36,9 +36,10 @@ from torch import Tensor, nn
 
 from avionics.curvature.step._autograd import edge, key
 from avionics.curvature.step.loss_root import check_exact_columns, loss_hessian_root
-from avionics.persample.request import Accumulator, Request
+from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
-from avionics.persample.rules.base import ColumnSums, chunk_size
+from avionics.persample.rules.base import ColumnSums
+from avionics.persample.step import summed_statistics
 
 
 def ggn_diagonal(
@@ -193,18 +194,10 @@ class _ColumnSums:
         for k, pairs in enumerate(self.contributions):
             if len(pairs) < 2:
                 continue
-            p = self.params[k]
-            acc = Accumulator(request, {}, k)
-            step = chunk_size(self.n, p.numel(), p.element_size())
-            for start in range(0, self.n, step):
-                stop = min(self.n, start + step)
-                chunk = 0
-                for module, name in pairs:
-                    rule = rules[module]
-                    with self.engine.naming(module):
-                        chunk = chunk + rule.materialize(start, stop)[rule.names.index(name)]
-                acc.add(chunk)
-            s = acc.result()["sq_norms"].sum() if self.traces else acc.result()["sum_sq"]
+            stats = summed_statistics(
+                self.engine, rules, pairs, self.params[k], k, request, {}, self.n
+            )
+            s = stats["sq_norms"].sum() if self.traces else stats["sum_sq"]
             self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
 
     def result(self, scale: float = 1.0) -> list[Tensor]:
