@@ -43,7 +43,7 @@ class PerSampleEngine:
 
     def __init__(self, model: nn.Module, params: list[Tensor]):
         self.model, self.params = model, params
-        self._index = {id(p): k for k, p in enumerate(params)}
+        self.index = {id(p): k for k, p in enumerate(params)}  # id(parameter) -> its index
         self._names = {m: name for name, m in model.named_modules()}
         self._parent: dict[nn.Module, nn.Module] = {}
         for m in self._names:
@@ -53,8 +53,8 @@ class PerSampleEngine:
         self.owners: list[list[tuple[nn.Module, str]]] = [[] for _ in params]
         for m in self._names:
             for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
-                if id(p) in self._index:
-                    self.owners[self._index[id(p)]].append((m, name))
+                if id(p) in self.index:
+                    self.owners[self.index[id(p)]].append((m, name))
         self._from_root: set[int] = set()
         self._checked_pattern: tuple | None = None
 
@@ -180,10 +180,6 @@ class PerSampleEngine:
     def module_name(self, module: nn.Module) -> str:
         """The module's name in the model, or "the model" for the root."""
         return self._names[module] or "the model"
-
-    def index_of(self, param: Tensor) -> int:
-        """The index of a tracked parameter."""
-        return self._index[id(param)]
 
     def _param_name(self, k: int) -> str:
         module, name = self.owners[k][0]

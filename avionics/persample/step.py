@@ -143,7 +143,7 @@ class CapturedStep:
                 keep = _unchanged if isinstance(rule, BilinearRule) else dense
                 requests, dirs, indices = [], [], []
                 for name in rule.names:
-                    k = self.engine.index_of(rule.module.get_parameter(name))
+                    k = self.engine.index[id(rule.module.get_parameter(name))]
                     if len(contributions[k]) == 1:
                         requests.append(request)
                         dirs.append({d: keep(directions[d][k]) for d in request.directions})
