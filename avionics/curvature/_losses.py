@@ -14,17 +14,6 @@ BCEWithLogitsLoss Bernoulli(sigmoid f)). Closed-form Hessian products are used f
 losses (CrossEntropyLoss with integer labels, no class weights, no label smoothing, no ignored
 label); any other loss with a ``reduction`` gets its Hessian product by automatic
 differentiation.
-
-Square-root factors S with S S^T = d2 L / df2, per sample (the loss Hessian is block-diagonal
-over the samples of a batch), come in three forms, shared by the operators and the curvature
-diagonals of a captured step (:mod:`avionics.curvature.step.loss_root`, which recognises the
-loss from the graph of the per-sample losses instead of from ``loss_fn``):
-
-* :func:`output_hessian_square_root` (operators): stacked columns for a known ``loss_fn``;
-* :class:`SoftmaxHessianRoot`: softmax cross-entropy's root with V - 1 columns per position
-  (V classes), since diag p - p p^T has rank V - 1;
-* :func:`psd_square_root`: any per-sample Hessian, formed densely, by its eigendecomposition;
-* :class:`HessianRoot`: the map z -> S z of a factor and its columns S e_j.
 """
 
 from __future__ import annotations
@@ -135,12 +124,6 @@ def output_hessian_square_root(loss_fn: nn.Module, output: Tensor, y: Tensor) ->
     dimensions of a sample), CrossEntropyLoss sqrt(kappa p_c) (e_c - p) at one position t
     (c over the classes, t over the positions; sum_c p_c (e_c - p)(e_c - p)^T =
     diag(p) - p p^T).
-
-    It keeps V columns per position rather than :class:`SoftmaxHessianRoot`'s V - 1: K-FAC
-    sums their outer products in one stacked tensor, and the reflected columns would round
-    its factors differently. An unknown loss is an error here rather than
-    :func:`psd_square_root` of a dense Hessian: the operators' callers choose ``loss_fn`` and
-    have the Monte-Carlo Fisher for it, and the dense factor costs M products per batch.
     """
     output = output.detach()
     if _is_plain_cross_entropy(loss_fn, y):
@@ -169,89 +152,3 @@ def output_hessian_square_root(loss_fn: nn.Module, output: Tensor, y: Tensor) ->
         "(integer labels, no class weights, label smoothing or ignored labels) and "
         f"BCEWithLogitsLoss (no weights), not for {loss_fn!r}; use fisher_type='mc'."
     )
-
-
-class HessianRoot:
-    """z -> S z ([N, M] -> [N, M], the batch first and each sample's output flattened) for a
-    per-sample square-root factor S_n S_n^T = H_n, and the columns of S for the exact GGN
-    diagonal: by default S e_j for every output entry j (M columns)."""
-
-    def __init__(self, apply: Callable[[Tensor], Tensor], n: int, m: int, like: Tensor):
-        self.apply, self.n, self.m, self.like = apply, n, m, like
-
-    def __call__(self, z: Tensor) -> Tensor:
-        return self.apply(z)
-
-    def columns(self):
-        eye = torch.eye(self.m, dtype=self.like.dtype, device=self.like.device)
-        return (self.apply(eye[j].expand(self.n, self.m)) for j in range(self.m))
-
-
-class SoftmaxHessianRoot(HessianRoot):
-    """Softmax cross-entropy, per position t (p_t, weight c_t; the class axis moved last):
-    S z = sqrt(c_t) A_t z_t with A = diag(s) - p s^T, s = sqrt(p).
-
-    H_t = c_t A A^T has rank V - 1 (A s = 0), so the exact diagonal needs only V - 1 columns per
-    position: with the Householder reflection R = I - w w^T / (1 + s_V), w = s + e_V (R s = -e_V,
-    w^T w = 2 + 2 s_V >= 2, stable for every p), the first V - 1 columns of R span s^perp, and
-    A R[:, :V-1] is a factor of H: A R[:, :V-1] R[:, :V-1]^T A^T = A (I - s s^T) A^T = A A^T.
-    Since A e_j = s_j (e_j - p) and A w = A e_V, its column j (< V) is
-    sqrt(c_t) s_j (e_j - s_V / (1 + s_V) e_V - p / (1 + s_V)). One backward fewer per position
-    than the V columns of A (10 % of the work for 10 classes).
-
-    :func:`output_hessian_square_root` keeps the V columns A e_c = s_c (e_c - p) of every
-    position: K-FAC's type-2 factors take all columns at once in one stacked tensor, where one
-    column fewer saves little, and the reflected columns would change its numbers (the same
-    factor S S^T, rounded differently).
-    """
-
-    def __init__(self, p: Tensor, c: Tensor, axis: int, n: int):
-        self.p = p.movedim(axis, -1)  # [N, ..., V]
-        self.s = self.p.sqrt()
-        self.root_c = c.movedim(axis, -1).sqrt()  # [N, ..., 1]
-        self.axis, self.shape = axis, p.shape
-        super().__init__(self._apply, n, p[0].numel(), p)
-
-    def _apply(self, z: Tensor) -> Tensor:
-        z = z.reshape(self.shape).movedim(self.axis, -1)
-        s = self.root_c * (self.s * z - self.p * (self.s * z).sum(-1, keepdim=True))
-        return s.movedim(-1, self.axis).reshape(self.n, -1)
-
-    def columns(self):
-        v = self.p.shape[-1]
-        p = self.p.reshape(self.n, -1, v)  # [N, T, V]
-        s = self.s.reshape(self.n, -1, v)
-        s_last = s[:, :, -1:]
-        inv = 1.0 / (1.0 + s_last)
-        base = -(p * inv)  # [N, T, V]: the part common to every column of a position
-        base[:, :, -1:] -= s_last * inv
-        scale = self.root_c.reshape(self.n, -1, 1) * s[:, :, : v - 1]  # [N, T, V-1]
-        eye = torch.eye(v - 1, v, dtype=p.dtype, device=p.device)
-        for t in range(p.shape[1]):
-            # the V - 1 columns of position t: [N, V - 1, V]
-            block = (base[:, t, None, :] + eye).mul_(scale[:, t, :, None])
-            for j in range(v - 1):
-                if p.shape[1] == 1:
-                    col = block[:, j].reshape(self.p.shape)
-                else:
-                    col = torch.zeros_like(p)
-                    col[:, t] = block[:, j]
-                    col = col.reshape(self.p.shape)
-                yield col.movedim(-1, self.axis).reshape(self.n, -1)
-
-
-def psd_square_root(hess: Tensor) -> Tensor:
-    """S [N, M, M] with S_n S_n^T = H_n for symmetric positive semi-definite H [N, M, M]:
-    S_n = Q Lambda^{1/2} from the eigendecomposition of (H_n + H_n^T) / 2. Eigenvalues below
-    eps^(2/3) * max |lambda| are dropped; negative ones beyond that are an error (a GGN built
-    on H would not be positive semi-definite)."""
-    hess = 0.5 * (hess + hess.transpose(1, 2))
-    lam, Q = torch.linalg.eigh(hess)
-    top = lam.abs().amax(1, keepdim=True).clamp_min(torch.finfo(lam.dtype).tiny)
-    cut = torch.finfo(lam.dtype).eps ** (2 / 3) * top
-    if bool((lam < -cut).any()):
-        raise ValueError(
-            "The loss Hessian w.r.t. the model output has negative eigenvalues, so the GGN is "
-            "not positive semi-definite and has no square-root factor; use curvature='diag_h'."
-        )
-    return Q * torch.where(lam > cut, lam, torch.zeros_like(lam)).sqrt().unsqueeze(1)

@@ -7,13 +7,12 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import GradientEdge
 from torch.func import grad
 
 from avionics.curvature._data import ModelDataOperator, math_attention
 from avionics.curvature._losses import output_hessian_square_root, sampled_output_gradients
 from avionics.curvature.base import CurvatureLinearOperator
-from avionics.persample.capture import Capture, ModuleCall
+from avionics.persample.capture import Capture, ModuleCall, output_edge
 from avionics.persample.rules.conv import unfold
 
 FISHER_TYPES = ("mc", "type-2", "empirical")
@@ -307,20 +306,12 @@ def _output_gradients(
     """g_k = (dz/df)^T s_k for the output z of every call, each [K, *z.shape]: one batched
     backward for all k and calls; zeros for a z that the model output does not depend on."""
     flat = [call for layer_calls in calls.values() for call in layer_calls]
-    edges = [_output_edge(call) for call in flat]
+    edges = [output_edge(call.nodes[0]) for call in flat]
     raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True, allow_unused=True)
     gradients = iter(
         g if g is not None else _zeros(len(vectors), call) for g, call in zip(raw, flat)
     )
     return {layer: [next(gradients) for _ in layer_calls] for layer, layer_calls in calls.items()}
-
-
-def _output_edge(call: ModuleCall) -> GradientEdge | Tensor:
-    """What autograd differentiates to for the call's output z: the node that produced z and
-    its slot, as the capture took them (an in-place operation after the layer, e.g.
-    ``ReLU(inplace=True)``, does not change them), or z itself if it is a leaf."""
-    node = call.nodes[0]
-    return node if isinstance(node, Tensor) else GradientEdge(*node)
 
 
 def _zeros(K: int, call: ModuleCall) -> Tensor:

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
@@ -65,6 +66,13 @@ class ModuleCall:
             return False
         first = self.inputs[0]
         return first.dim() > self.batch_axis and first.shape[self.batch_axis] == n
+
+    def with_grad_outputs(self, grad_outputs: list[Tensor | None]) -> ModuleCall:
+        """This call with other output gradients (e.g. one backpropagated column of a loss
+        Hessian root instead of the loss gradient)."""
+        call = replace(self)  # (__post_init__ resets grad_outputs)
+        call.grad_outputs = grad_outputs
+        return call
 
     @property
     def received_gradient(self) -> bool:
@@ -192,6 +200,21 @@ class Capture:
             if call.received_gradient:
                 grouped[call.module].append(call)
         return dict(grouped)
+
+
+def output_edge(node) -> Tensor | GradientEdge:
+    """Where a captured output lives in the graph (``ModuleCall.nodes``: a leaf tensor, or the
+    producing node and its output index), as an input of ``torch.autograd.grad``; a later
+    in-place operation on the output does not move it."""
+    if isinstance(node, Tensor):
+        return node
+    grad_fn, output_nr = node
+    return GradientEdge(grad_fn, output_nr)
+
+
+def output_key(node) -> tuple:
+    """A hashable name of a captured output (the same node gives the same key)."""
+    return (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
 
 
 def _tensors(tree) -> list[Tensor]:

@@ -9,7 +9,6 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from avionics import Cockpit
-from avionics.curvature import _losses
 from avionics.curvature.step import ggn_diagonal, loss_root
 from avionics.persample.rules import conv
 from avionics.quantities import HessMaxEV, HessTrace, Loss, TICDiag, TICTrace
@@ -331,7 +330,7 @@ def test_softmax_root_has_one_column_fewer_per_position(shape, axis):
     logits[1].select(axis - 1, 0).add_(40)
     p = logits.softmax(axis)
     c = torch.rand(*[1 if a == axis else d for a, d in enumerate(shape)], dtype=torch.float64)
-    root = _losses.SoftmaxHessianRoot(p, c, axis, shape[0])
+    root = loss_root.SoftmaxHessianRoot(p, c, axis, shape[0])
     cols = torch.stack(list(root.columns()))  # [K, N, M]
     positions = p[0].numel() // shape[axis]
     assert cols.shape[0] == positions * (shape[axis] - 1)
@@ -393,9 +392,9 @@ def test_ggn_convolution_path_matches_brute_force(budget, monkeypatch):
     used = []
     init = conv.ConvColumnSums.__init__
 
-    def spy(self, module, call, n):
+    def spy(self, module, call, names, n, traces):
         used.append(module)
-        init(self, module, call, n)
+        init(self, module, call, names, n, traces)
 
     monkeypatch.setattr(conv.ConvColumnSums, "__init__", spy)
     (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])

@@ -1,8 +1,5 @@
 """Autograd helpers shared by the curvature diagonals of a captured step.
 
-* :func:`edge`: the place in the graph where a captured module output lives (a tensor, or a
-  node and output index of the captured backward), usable as an input of
-  ``torch.autograd.grad``; :func:`key`: a hashable name for it.
 * :func:`batched_grad`: K vector-Jacobian products J^T v_k at once, ``torch.autograd.grad`` with
   ``is_grads_batched`` (a leading axis of K on the vectors), falling back to K plain products
   where vmap cannot batch an operation. Differentiating a gradient (Hessian-vector products
@@ -15,27 +12,12 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import Tensor
-from torch.autograd.graph import GradientEdge
 
 NO_SECOND_DERIVATIVE = (
     "PyTorch has no second derivative for an operation in this model's backward ({error}). "
     "Curvature instruments differentiate the gradient again: for attention, run the forward of "
     "tracked steps under torch.nn.attention.sdpa_kernel(SDPBackend.MATH)."
 )
-
-
-def edge(node) -> Tensor | GradientEdge:
-    """A captured output (a tensor, or (grad_fn, output index)) as an input of autograd.grad."""
-    if isinstance(node, Tensor):
-        return node
-    grad_fn, output_nr = node
-    return GradientEdge(grad_fn, output_nr)
-
-
-def key(node) -> tuple:
-    """A hashable name of a captured output (the same node gives the same key)."""
-    return (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
 
 
 def batched_grad(

@@ -29,13 +29,11 @@ M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor, nn
 
-from avionics.curvature.step._autograd import edge, key
 from avionics.curvature.step.loss_root import check_exact_columns, loss_hessian_root
+from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import ColumnSums
@@ -66,7 +64,7 @@ def ggn_diagonal(
     """
     root = _root_call(model, calls, len(individual_losses))
     n = len(individual_losses)
-    out_edge = edge(root.nodes[0])
+    out_edge = output_edge(root.nodes[0])
     out_shape = root.outputs[root.node_outputs[0]].shape
     m = out_shape.numel() // n
     if mc_samples is None:
@@ -83,7 +81,7 @@ def ggn_diagonal(
     sums = _ColumnSums(engine, calls, params, n, traces)
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
     # the model output is often a captured output too (a final Linear): its column is given
-    inner = [i for i, k in enumerate(sums.keys) if k != key(root.nodes[0])]
+    inner = [i for i, k in enumerate(sums.keys) if k != output_key(root.nodes[0])]
     edges = [sums.edges[i] for i in inner]
     for column in columns:
         column = column.reshape(moved_shape).movedim(0, root.batch_axis)
@@ -136,7 +134,7 @@ class _ColumnSums:
         for module_calls in calls.values():
             for call in module_calls:
                 for node in call.nodes:
-                    keyed.setdefault(key(node), edge(node))
+                    keyed.setdefault(output_key(node), output_edge(node))
         self.keys = list(keyed)
         self.edges = [keyed[k] for k in self.keys]
         self.contributions = engine.contributions(calls, n)
@@ -164,7 +162,7 @@ class _ColumnSums:
         for call in self.calls[module]:
             call_outs: list[Tensor | None] = [None] * len(call.outputs)
             for i, node in zip(call.node_outputs, call.nodes, strict=True):
-                call_outs[i] = by_key[key(node)]
+                call_outs[i] = by_key[output_key(node)]
             outs.append(call_outs)
         return outs
 
@@ -183,11 +181,10 @@ class _ColumnSums:
     def _add_summed(self, by_key) -> None:
         rules = {}
         for module, names in self.summed.items():
-            calls = []
-            for call, outs in zip(self.calls[module], self._grad_outputs(module, by_key)):
-                copy = dataclasses.replace(call)  # (__post_init__ resets grad_outputs)
-                copy.grad_outputs = outs
-                calls.append(copy)
+            calls = [
+                call.with_grad_outputs(outs)
+                for call, outs in zip(self.calls[module], self._grad_outputs(module, by_key))
+            ]
             with self.engine.naming(module):
                 rules[module] = rule_for(module, names)(module, calls, names, self.n, 1.0)
         request = Request(sq_norms=True) if self.traces else Request(sum_sq=True)

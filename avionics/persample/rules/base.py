@@ -10,8 +10,6 @@ rules with closed forms override :meth:`Rule.statistics` to avoid materialising.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor, nn
 
@@ -109,11 +107,10 @@ class ColumnSums:
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
-        column_calls = []
-        for call, outs in zip(self.calls, grad_outputs, strict=True):
-            copy = dataclasses.replace(call)  # (__post_init__ resets grad_outputs)
-            copy.grad_outputs = outs
-            column_calls.append(copy)
+        column_calls = [
+            call.with_grad_outputs(outs)
+            for call, outs in zip(self.calls, grad_outputs, strict=True)
+        ]
         rule = self.rule(self.module, column_calls, self.names, self.n, 1.0)
         request = Request(sq_norms=True) if self.traces else Request(sum_sq=True)
         results = rule.statistics([request] * len(self.names), [{}] * len(self.names))

@@ -144,9 +144,7 @@ class ConvRule(BilinearRule):
         summed."""
         if len(calls) != 1 or not _single_input(calls[0], module, n):
             return super().column_sums(module, calls, names, n, traces)
-        sums = ConvColumnSums(module, calls[0], n)
-        sums.names, sums.traces = list(names), traces
-        return sums
+        return ConvColumnSums(module, calls[0], names, n, traces)
 
 
 def _single_input(call, module, n: int) -> bool:
@@ -174,10 +172,9 @@ class ConvColumnSums(ColumnSums):
     columns is made.
     """
 
-    def __init__(self, module, call, n: int):
+    def __init__(self, module, call, names: list[str], n: int, traces: bool):
         self.module, self.call, self.n = module, call, n
-        self.names: list[str] = []
-        self.traces = False
+        self.names, self.traces = list(names), traces
         self.groups = module.groups
         self.pending: list[Tensor] = []
         self.weight_sum: Tensor | None = None
