@@ -221,8 +221,7 @@ class _Start:
     @classmethod
     def restored(cls, saved: dict) -> _Start:
         """The inverse of :meth:`saved`."""
-        start = cls.__new__(cls)
-        cls.__init__(start, int(saved["step"]), torch.zeros(2))
+        start = cls(int(saved["step"]), torch.zeros(2))  # observations overwritten below
         for key in cls._SAVED:
             setattr(start, key, saved[key])
         start.unit = [

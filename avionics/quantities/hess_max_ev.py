@@ -103,10 +103,10 @@ class HessMaxEV(Quantity):
 
     def load_state_dict(self, state: dict) -> None:
         self._warned = bool(state.get("warned", False))
-        self._lanczos = LanczosState()
-        if "eigenvector" in state:  # one row: the next call makes room for its basis
-            self._lanczos.storage = state["eigenvector"].reshape(1, -1).clone()
-            self._lanczos.eigenvalue = float(state["eigenvalue"])
+        if "eigenvector" in state:
+            self._lanczos = LanczosState.from_eigenpair(state["eigenvector"], state["eigenvalue"])
+        else:
+            self._lanczos = LanczosState()
 
 
 def _leaves(data: StepData):

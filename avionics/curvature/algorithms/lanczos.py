@@ -114,6 +114,14 @@ class LanczosState:
         self.start = 0
         self.eigenvalue: float | None = None  # float64 Ritz value of the last call
 
+    @classmethod
+    def from_eigenpair(cls, eigenvector: Tensor, eigenvalue: float, spare_rows: int = 4):
+        """A state whose next call starts from ``eigenvector`` (e.g. a saved warm start)."""
+        state = cls(spare_rows)
+        state.storage = eigenvector.detach().reshape(1, -1).clone()
+        state.eigenvalue = float(eigenvalue)
+        return state
+
     @property
     def eigenvector(self) -> Tensor | None:
         """The last call's unit eigenvector, flat [D] (a view of the storage), or None."""
