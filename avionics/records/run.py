@@ -18,7 +18,8 @@ class Run:
             same step are merged, later values winning.
         metadata: the first session's metadata, with its updates merged in.
         sessions: the metadata of every session (one per time the log was opened).
-        problems: what could not be read, each naming its line number.
+        problems: what could not be read, each naming its line number (or, for an empty
+            log, that it holds no records); shown by ``avionics diagnose`` and the CLI.
         path: the log file, or None for a run built in memory.
     """
 
