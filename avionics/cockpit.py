@@ -20,6 +20,7 @@ step that needs nothing costs one schedule look-up per quantity.
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
@@ -31,13 +32,15 @@ from torch import Tensor, nn
 from avionics.configurations import configuration
 from avionics.persample import PerSampleEngine, Request
 from avionics.persample.step import factorable
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
 from avionics.quantities.loss import Loss
 from avionics.records.encoding import to_python
 from avionics.records.sink import Sink
 from avionics.version import __version__
 
 STATE_VERSION = 1
+# With a log, the steps get_output keeps in memory (the log keeps all of them).
+OUTPUT_WINDOW = 1000
 
 
 class Cockpit:
@@ -48,7 +51,12 @@ class Cockpit:
         quantities: the instruments (``configuration("economy")`` by default); each stored
             under its class name.
         params: the parameters to track (default: every parameter that requires grad).
-        log: a run directory; each finished step is appended there as it finishes.
+        log: a run directory; each finished step is appended there as it finishes. With a log,
+            :meth:`get_output` keeps only the last ``OUTPUT_WINDOW`` steps in memory (the log
+            keeps them all: ``avionics.read_run(log)``).
+        exist, fsync: passed to the log's :class:`~avionics.records.RunWriter`: ``exist``
+            "append" continues a run that has a log, "error" refuses; ``fsync`` forces each
+            line to disk.
         sinks: further destinations of the values (e.g. ``avionics.records.
             TensorBoardWriter(dir)``), each a :class:`~avionics.records.sink.Sink`.
         first_step: the number of the first step the loop will run, when it is known (a run
@@ -64,10 +72,12 @@ class Cockpit:
         log: str | None = None,
         sinks: tuple[Sink, ...] | list[Sink] = (),
         first_step: int | None = None,
+        exist: str = "append",
+        fsync: bool = False,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"Cockpit(model) needs a torch.nn.Module, got {type(model).__name__}.")
-        quantities = configuration("economy") if quantities is None else list(quantities)
+        quantities = configuration("economy") if quantities is None else _as_list(quantities)
         _check_quantities(quantities)
         sinks = list(sinks)
         for sink in sinks:
@@ -76,8 +86,13 @@ class Cockpit:
                     f"{sink!r} is not a sink: a sink has write(step, values), "
                     "update_metadata(metadata) and close() (see avionics.records.sink)."
                 )
-        if first_step is not None and (not isinstance(first_step, int) or first_step < 0):
+        if first_step is not None and not _is_step(first_step):
             raise ValueError(f"first_step must be a non-negative int, got {first_step!r}.")
+        if log is not None and (exist, fsync) != ("append", False):
+            from avionics.records.writer import EXIST_MODES
+
+            if exist not in EXIST_MODES:
+                raise ValueError(f"exist must be one of {EXIST_MODES}, got {exist!r}.")
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = _tracked_parameters(model, params)
@@ -86,13 +101,19 @@ class Cockpit:
         self._unconverted: list[tuple[int, str]] = []
         self._capture = None
         self._described_training = False
+        self._last_step: int | None = None  # the last step that finished
+        self._restored = False  # whether load_state_dict ran
+        self._closed = False
         metadata = self._metadata()
-        for sink in sinks:
-            sink.update_metadata(metadata)
         if log is not None:
             from avionics.records import RunWriter
 
-            sinks.insert(0, RunWriter(log, metadata=metadata))
+            writer = RunWriter(log, metadata=metadata, exist=exist, fsync=fsync)
+        for sink in sinks:
+            sink.update_metadata(metadata)
+        if log is not None:
+            sinks.insert(0, writer)
+        self._window = OUTPUT_WINDOW if log is not None else None
         self._sinks = sinks
         if first_step is None:
             self._arm_if(any(type(q).request is not Quantity.request for q in quantities))
@@ -106,29 +127,35 @@ class Cockpit:
 
     @contextmanager
     def __call__(self, step: int, info: dict):
+        """Track ``step``: enter after the forward, backpropagate inside.
+
+        Everything that can be checked is checked on entering, before the backward: a bad
+        ``info`` or step raises there and changes nothing. An exception inside the block (the
+        user's own, a KeyboardInterrupt) propagates and leaves the cockpit ready for the next
+        step: the interrupted step stores nothing, and neither do the two-step values that
+        needed it (UpdateSize and Alpha of the tracked step before it).
+        """
+        self._check_step(step)
         active = [q for q in self.quantities if q.is_active(step)]
         if not active:
-            if self._capture is not None:  # armed for this step, not needed by it
-                self._capture.disarm()
-                self._capture = None
-            yield self
-            self._arm_for(step + 1)
+            self._disarm()  # armed for this step, not needed by it
+            with self._interruptible(step, None):
+                yield self
+            self._finish(step, None)
             return
         request = Request()
         for q in active:
             request = request | q.request(step)
         reduction, n = self._validate(step, info, active)
         finite = bool(torch.isfinite(info["loss"].detach()))
+        if finite:
+            _check_loss_graphs(step, info, active, self._capture, self.model)
+        # nothing has changed up to here; from here on the step owns the capture
         capture, self._capture = self._capture, None
         if capture is not None:
             capture.disarm()
         if request and finite and (capture is None or not capture.calls):
-            raise RuntimeError(
-                f"Step {step} needs per-sample statistics, but the cockpit did not capture its "
-                "forward pass. The cockpit arms its capture after each step for the step number "
-                "that follows: call it at every step, with consecutive step numbers (a run "
-                "resumed at step k: pass Cockpit(..., first_step=k))."
-            )
+            active, request = self._without_per_sample(step, active)
         gradients: list[Tensor | None] = [None] * len(self.params)
         handles = []
         if request and finite:
@@ -136,15 +163,19 @@ class Cockpit:
             handles = [
                 p.register_hook(_store_into(gradients, k)) for k, p in enumerate(self.params)
             ]
-        try:
-            yield self
-        finally:
-            for handle in handles:
-                handle.remove()
-            if capture is not None:
-                capture.stop_recording()
+        with self._interruptible(step, capture):
+            try:
+                yield self
+            finally:
+                for handle in handles:
+                    handle.remove()
+                if capture is not None:
+                    capture.stop_recording()
         try:
             if finite:
+                _check_backward(step, active, self.params)
+                if request and not capture.calls_by_module():
+                    active, request = self._without_per_sample(step, active)
                 values = self._compute(
                     step, info, active, request, capture, gradients, reduction, n
                 )
@@ -155,21 +186,27 @@ class Cockpit:
                     stacklevel=3,
                 )
                 values = {step: {Loss.__name__: info["loss"]}}
-            self._store(values)
+        except BaseException:
+            self._drop_pending()
+            raise
         finally:
-            if capture is not None:
-                capture.release()
-            self._arm_for(step + 1)
+            self._finish(step, capture)
+        self._store(values)
 
     def log(self, step: int, **metrics) -> None:
         """Store epoch-level metrics (validation loss, accuracy, learning_rate, ...) at step."""
+        self._check_open()
+        if not _is_step(step):
+            raise TypeError(f"cockpit.log(step, ...) needs a non-negative int step, got {step!r}.")
         values = {key: to_python(value) for key, value in metrics.items()}
-        self._output[step].update(values)
         for sink in self._sinks:
             sink.write(step, values)
+        self._output[step].update(values)
+        self._forget_old_steps()
 
     def get_output(self) -> dict[int, dict[str, Any]]:
-        """{step: {quantity or metric name: value}} of everything computed so far."""
+        """{step: {quantity or metric name: value}} of everything computed so far, or, with a
+        log, of the last ``OUTPUT_WINDOW`` steps (read the log for all of them)."""
         for step, name in self._unconverted:
             self._output[step][name] = to_python(self._output[step][name])
         self._unconverted = []
@@ -206,21 +243,127 @@ class Cockpit:
             )
         for q in self.quantities:
             q.load_state_dict(saved[q.name])
+        self._restored = True
 
     def close(self) -> None:
-        """Remove the capture's hook and close the sinks."""
+        """Remove the capture's hook and close the sinks; later steps raise."""
         if self._capture is not None:
             self._capture.disarm()
             self._capture.release()
             self._capture = None
         for sink in self._sinks:
             sink.close()
+        self._closed = True
 
     # ------------------------------------------------------------------ internals
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(
+                "This cockpit is closed (Cockpit.close() was called): build a new Cockpit to "
+                "track further steps (Cockpit(..., log=the same path) continues its log)."
+            )
+
+    def _check_step(self, step) -> None:
+        self._check_open()
+        if not _is_step(step):
+            raise TypeError(
+                f"cockpit(step, ...) needs the step as a non-negative int, got {step!r}."
+            )
+        last = self._last_step
+        if last is None:
+            if step > 1 and not self._restored:  # a loop counting from 1 starts afresh
+                self._warn_fresh_start(step)
+        elif step == last:
+            raise ValueError(
+                f"Step {step} was already tracked. A second `with cockpit({step}, ...)` block "
+                "(gradient accumulation over micro-batches) would overwrite the first one's "
+                "values: track each optimizer step once, around one backward."
+            )
+        elif step < last:
+            raise ValueError(
+                f"Step {step} comes after step {last}: step numbers must increase (the values "
+                "of a step are stored under its number). A resumed run continues from the "
+                "checkpoint's next step."
+            )
+
+    def _warn_fresh_start(self, step: int) -> None:
+        """A run starting at step > 0 without a restored state: say what starts afresh."""
+        stateful = [
+            q.name for q in self.quantities if type(q).state_dict is not Quantity.state_dict
+        ]
+        if stateful:
+            warnings.warn(
+                f"The first tracked step is {step}, but no state was restored: "
+                f"{', '.join(stateful)} start afresh here"
+                + (
+                    f" (Distance measures from step {step}'s parameters)"
+                    if "Distance" in stateful
+                    else ""
+                )
+                + ". To continue a resumed run, save Cockpit.state_dict() with the checkpoint "
+                "and call load_state_dict on the new cockpit.",
+                stacklevel=5,
+            )
+
+    @contextmanager
+    def _interruptible(self, step: int, capture):
+        """On an exception in the user's block: release the step and re-arm, so that the next
+        step is tracked as usual; the two-step quantities drop the start that needed it."""
+        try:
+            yield
+        except BaseException:
+            if capture is not None:
+                capture.release()
+            self._drop_pending()
+            # the user may retry this step or go on to the next
+            self._arm_if(self._needs_capture(step) or self._needs_capture(step + 1))
+            raise
+
+    def _drop_pending(self) -> None:
+        """Forget the two-step quantities' starts: the step that would end them is lost."""
+        for q in self.quantities:
+            if isinstance(q, TwoStepQuantity):
+                q.pending = None
+
+    def _finish(self, step: int, capture) -> None:
+        if capture is not None:
+            capture.release()
+        self._last_step = step
+        self._arm_for(step + 1)
+
+    def _without_per_sample(self, step: int, active: list[Quantity]):
+        """The step's quantities without those that need per-sample statistics, with a warning
+        (the capture saw no forward of the model for this step)."""
+        skipped = [q for q in active if q.request(step)]
+        for q in skipped:
+            if isinstance(q, TwoStepQuantity):
+                q.pending = None  # its start would end after two updates
+        warnings.warn(
+            f"Step {step}: the cockpit captured no forward pass of its model that this step's "
+            f"loss was backpropagated through, so {', '.join(q.name for q in skipped)} are not "
+            "computed at this "
+            "step. The capture is armed after each step for the next one: call the model "
+            "after the previous `with cockpit(...)` block (or after building the cockpit), "
+            "compute the loss from that forward, and number steps consecutively (a run "
+            "resumed at step k: Cockpit(..., first_step=k)).",
+            stacklevel=4,
+        )
+        return [q for q in active if not q.request(step)], Request()
+
+    def _disarm(self) -> None:
+        if self._capture is not None:
+            self._capture.disarm()
+            self._capture.release()
+            self._capture = None
+
+    def _needs_capture(self, step: int) -> bool:
+        return any(q.is_active(step) and q.request(step) for q in self.quantities)
+
     def _arm_for(self, step: int) -> None:
-        self._arm_if(any(q.is_active(step) and q.request(step) for q in self.quantities))
+        self._arm_if(self._needs_capture(step))
 
     def _arm_if(self, needed: bool) -> None:
+        self._disarm()
         if needed:
             self._capture = self._engine.capture()
             self._capture.arm()
@@ -240,21 +383,43 @@ class Cockpit:
         loss = info["loss"]
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"info['loss'] must be a scalar tensor, got {loss!r}.")
-        losses = info.get("individual_losses")
+        optimizer = info.get("optimizer")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"info['optimizer'] must be the torch.optim.Optimizer that takes the step, got "
+                f"{type(optimizer).__name__}."
+            )
         n = info.get("batch_size")
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise TypeError(
+                f"info['batch_size'] must be the number of samples in the batch, a positive "
+                f"int; got {n!r} ({type(n).__name__})."
+            )
+        losses = info.get("individual_losses")
         if losses is None:
-            return "mean", n
-        if not isinstance(losses, Tensor) or losses.dim() != 1:
-            raise ValueError(
-                "info['individual_losses'] must be the per-sample losses, a tensor of shape "
-                f"[N]; got {getattr(losses, 'shape', type(losses).__name__)}."
-            )
-        if n is not None and n != len(losses):
-            raise ValueError(
-                f"info['batch_size'] is {n} but info['individual_losses'] has {len(losses)} "
-                "entries; they must agree."
-            )
-        return _reduction(loss.detach(), losses.detach()), len(losses)
+            reduction = "mean"
+        else:
+            if not isinstance(losses, Tensor) or losses.dim() != 1:
+                raise ValueError(
+                    "info['individual_losses'] must be the per-sample losses, a tensor of shape "
+                    f"[N]; got {getattr(losses, 'shape', type(losses).__name__)}."
+                )
+            if losses.dtype != loss.dtype:
+                raise TypeError(
+                    f"info['individual_losses'] is {losses.dtype} but info['loss'] is "
+                    f"{loss.dtype}: pass the per-sample losses the loss is computed from, as "
+                    "they are (losses = criterion(out, y, reduction='none'); loss = "
+                    "losses.mean())."
+                )
+            if n is not None and n != len(losses):
+                raise ValueError(
+                    f"info['batch_size'] is {n} but info['individual_losses'] has "
+                    f"{len(losses)} entries; they must agree."
+                )
+            reduction, n = _reduction(loss.detach(), losses.detach()), len(losses)
+        for q in active:
+            q.validate(step, info)
+        return reduction, n
 
     def _describe_training(self, info: dict, n: int | None) -> None:
         """Add the optimizer and batch size to the metadata, once they are known."""
@@ -322,6 +487,7 @@ class Cockpit:
         Without a sink the conversion waits for :meth:`get_output`, so that a tracked step
         copies nothing to the host (no device synchronisation on the training's hot path).
         """
+        _warn_non_finite(values)
         for step, named in sorted(values.items()):
             if self._sinks:
                 named = {name: to_python(value) for name, value in named.items()}
@@ -330,6 +496,13 @@ class Cockpit:
             else:
                 self._unconverted.extend((step, name) for name in named)
             self._output[step].update(named)
+        self._forget_old_steps()
+
+    def _forget_old_steps(self) -> None:
+        """With a log, keep only the last OUTPUT_WINDOW steps in memory."""
+        if self._window is not None:
+            while len(self._output) > self._window:
+                del self._output[min(self._output)]
 
     def _metadata(self) -> dict:
         return {
@@ -341,6 +514,96 @@ class Cockpit:
             "quantities": [q.describe() for q in self.quantities],
             "outputs": {q.name: q.output.describe() for q in self.quantities},
         }
+
+
+def _is_step(step) -> bool:
+    return isinstance(step, int) and not isinstance(step, bool) and step >= 0
+
+
+def _as_list(quantities) -> list:
+    if isinstance(quantities, Quantity):
+        raise TypeError(
+            f"Cockpit(quantities=...) takes a list of quantities, got a single {quantities.name}: "
+            f"pass [{quantities.name}()]."
+        )
+    try:
+        return list(quantities)
+    except TypeError:
+        raise TypeError(
+            "Cockpit(quantities=...) takes a list of quantities such as "
+            f"[avionics.quantities.NormTest()] or configuration('economy'), got {quantities!r}."
+        ) from None
+
+
+def _check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.Module) -> None:
+    """Before the backward: the per-sample losses of a step whose quantities differentiate
+    through them have a graph, and it leads to the captured forward of the model."""
+    readers = [
+        q.name for q in active if q.create_graph and "individual_losses" in q.required_info(step)
+    ]
+    if not readers:
+        return
+    losses = info["individual_losses"]
+    if losses.grad_fn is None:
+        raise ValueError(
+            f"Step {step}: {', '.join(readers)} backpropagate through info['individual_losses'], "
+            "which has no graph (detached, or computed under no_grad): pass the per-sample "
+            "losses the loss is computed from, as they are."
+        )
+    roots = [c for c in capture.calls if c.module is model and c.nodes] if capture else []
+    if not roots:
+        return
+    from avionics.persample.capture import output_edge
+
+    edges = [output_edge(node) for call in roots for node in call.nodes]
+
+    # backwards through the loss function alone: which captured forwards each one comes from
+    def reached(tensor):
+        grads = torch.autograd.grad(tensor, edges, retain_graph=True, allow_unused=True)
+        return {k for k, g in enumerate(grads) if g is not None}
+
+    if not reached(losses.sum()) & reached(info["loss"]):
+        raise ValueError(
+            f"Step {step}: info['loss'] and info['individual_losses'] do not come from one "
+            f"forward pass of the model, which {', '.join(readers)} backpropagate through: "
+            "compute both from one forward (out = model(x); losses = criterion(out, y, "
+            "reduction='none'); loss = losses.mean())."
+        )
+
+
+def _check_backward(step: int, active: list, params: list[Tensor]) -> None:
+    """After the backward: it kept the graph that the step's curvature quantities need."""
+    readers = [q.name for q in active if q.create_graph]
+    if readers and not any(p.grad is not None and p.grad.requires_grad for p in params):
+        raise RuntimeError(
+            f"Step {step}: {', '.join(readers)} differentiate the gradient again, but the "
+            "backward kept no graph: call loss.backward(create_graph=cockpit.create_graph(step)) "
+            "inside the `with cockpit(...)` block. Nothing of this step was stored."
+        )
+
+
+def _warn_non_finite(values: dict[int, dict[str, Any]]) -> None:
+    """Warn, per step, of the quantities whose values are NaN or infinite (one host
+    transfer for all tensor values of the step)."""
+    for step, named in values.items():
+        tensors = {
+            k: v for k, v in named.items() if isinstance(v, Tensor) and v.is_floating_point()
+        }
+        flags = {}
+        if tensors:
+            finite = torch.stack([torch.isfinite(v).all() for v in tensors.values()])
+            flags = dict(zip(tensors, finite.tolist()))
+        for name, value in named.items():
+            if isinstance(value, float):
+                flags[name] = math.isfinite(value)
+        bad = [name for name, ok in flags.items() if not ok and name != Loss.__name__]
+        if bad:
+            warnings.warn(
+                f"Step {step}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} NaN or "
+                "infinite (recorded as computed): the step's gradients or curvature were not "
+                "finite.",
+                stacklevel=5,
+            )
 
 
 def _check_quantities(quantities: list) -> None:
@@ -367,7 +630,14 @@ def _tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], l
             raise ValueError("The model has no parameter that requires grad; nothing to track.")
     else:
         chosen = list(params)
+        seen: dict[int, int] = {}
         for k, p in enumerate(chosen):
+            if id(p) in seen:
+                raise ValueError(
+                    f"params[{k}] is params[{seen[id(p)]}] again ('{named.get(id(p), '?')}'): "
+                    "list each parameter once."
+                )
+            seen[id(p)] = k
             if id(p) not in named:
                 raise ValueError(f"params[{k}] is not a parameter of the model.")
             if not p.requires_grad:

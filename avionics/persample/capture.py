@@ -103,6 +103,9 @@ def batch_axes(model: nn.Module) -> dict[nn.Module, int]:
     return axes
 
 
+_WITH_KWARGS = getattr(torch.nn.modules.module, "_global_forward_hooks_with_kwargs", {})
+
+
 class Capture:
     """Records the calls of ``modules`` during one forward, and their output gradients.
 
@@ -128,10 +131,13 @@ class Capture:
             # (its cockpit deleted) removes its hook when it is collected.
             capture = weakref.ref(self)
 
-            def hook(module, args, kwargs, output):
+            def hook(module, args, *kwargs_and_output):
+                # (kwargs, output), or (output,) when torch calls it during its own removal:
+                # a capture collected in the middle of a forward drops the with_kwargs flag
+                # first (see disarm)
                 alive = capture()
-                if alive is not None:
-                    alive._on_forward(module, args, kwargs, output)
+                if alive is not None and len(kwargs_and_output) == 2:
+                    alive._on_forward(module, args, *kwargs_and_output)
 
             self._forward_handle = torch.nn.modules.module.register_module_forward_hook(
                 hook, with_kwargs=True
@@ -143,6 +149,9 @@ class Capture:
     def disarm(self) -> None:
         if self._forward_handle is not None:
             self._forward_handle.remove()
+            # torch's handle does not remove the hook's with_kwargs flag (a leak of one dict
+            # entry per registration, torch 2.x): remove it here
+            _WITH_KWARGS.pop(self._forward_handle.id, None)
             self._forward_handle = None
 
     def _on_forward(self, module, args, kwargs, output) -> None:

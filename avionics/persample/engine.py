@@ -26,6 +26,7 @@ the bilinear rules project onto it directly, every other path receives it as a t
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -57,6 +58,10 @@ class PerSampleEngine:
                     self.owners[self.index[id(p)]].append((m, name))
         self._from_root: set[int] = set()
         self._checked_pattern: tuple | None = None
+        self._batchnorms = [
+            m for m in self._names if isinstance(m, nn.modules.batchnorm._BatchNorm)
+        ]
+        self._warned: set[nn.Module] = set()  # modules already warned about
 
     def capture(self) -> Capture:
         """A capture watching every module that owns a tracked parameter, and its ancestors."""
@@ -115,10 +120,44 @@ class PerSampleEngine:
         backward), the routing is first checked against them when the pattern of calls is new
         (:meth:`check`); a parameter that fails is routed through the root's generic rule.
         """
+        self._warn_batch_statistics()
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients):
             step = CapturedStep(self, calls, n, output_gradient_factor)  # rerouted
+            self._warn_coupled(step, gradients)
         return step
+
+    def _warn_batch_statistics(self) -> None:
+        """Warn once per module of each BatchNorm that normalises with batch statistics."""
+        for module in self._batchnorms:
+            uses_batch = module.training or module.running_mean is None
+            if uses_batch and module not in self._warned:
+                self._warned.add(module)
+                warnings.warn(
+                    f"Module '{self.module_name(module)}' ({type(module).__name__}) normalises "
+                    "with the statistics of the whole batch (train mode), so per-sample "
+                    "gradients are not defined. avionics computes each sample's share of the "
+                    "batch gradient (sample n's term in backpropagation), which sums to the true "
+                    "gradient. Put BatchNorm layers in eval mode for exact per-sample "
+                    "statistics.",
+                    stacklevel=6,
+                )
+
+    def _warn_coupled(self, step: CapturedStep, gradients: list[Tensor | None]) -> None:
+        """After rerouting: parameters whose per-sample gradients through the root's generic
+        rule (the model applied to one sample at a time) still do not sum to the batch
+        gradient. The forward couples the samples (a statistic over the batch)."""
+        coupled = [self._param_name(k) for k in self._mismatched(step, gradients)]
+        if coupled:
+            warnings.warn(
+                "The per-sample gradients of "
+                f"{', '.join(coupled[:8])}{' ...' if len(coupled) > 8 else ''} do not sum to "
+                "the batch gradient: the model's forward couples the samples of a batch (e.g. "
+                "h - h.mean(0), or another statistic over the batch axis), so a sample's "
+                "gradient is not defined. What is computed for them is the gradient of the "
+                "model applied to each sample alone.",
+                stacklevel=6,
+            )
 
     # ----------------------------------------------------------------------------------------
     def needs_check(self, calls: dict[nn.Module, list[ModuleCall]]) -> bool:
@@ -134,6 +173,23 @@ class PerSampleEngine:
         ``gradients[k]`` is the gradient parameter k received in the captured backward.
         """
         rerouted = False
+        for k in self._mismatched(step, gradients, skip=self._from_root):
+            if self.model not in step.calls:
+                raise RuntimeError(
+                    f"Parameter '{self._param_name(k)}' receives gradient from uses "
+                    "outside the modules that own it, and the model's own forward was "
+                    "not captured. Call the model (not its submodules) in the forward."
+                )
+            self._from_root.add(k)
+            rerouted = True
+        self._checked_pattern = self._pattern(step.calls)
+        return rerouted
+
+    def _mismatched(
+        self, step: CapturedStep, gradients: list[Tensor | None], skip=frozenset()
+    ) -> list[int]:
+        """The parameters (not in ``skip``) whose sum_n g_n differs from their gradient."""
+        mismatched = []
         with torch.no_grad():
             totals = step.totals()
             factor = step.output_gradient_factor
@@ -142,7 +198,7 @@ class PerSampleEngine:
             total_norm = sum(g.norm() ** 2 for g in gradients if g is not None) ** 0.5 * factor
             for k, ours in enumerate(totals):
                 actual = gradients[k]
-                if actual is None or k in self._from_root:
+                if actual is None or k in skip:
                     continue
                 # one temporary of the parameter's size: the difference is taken in place
                 expected = actual * factor
@@ -152,16 +208,8 @@ class PerSampleEngine:
                 for total in ours:
                     expected -= total
                 if expected.norm() > bound:
-                    if self.model not in step.calls:
-                        raise RuntimeError(
-                            f"Parameter '{self._param_name(k)}' receives gradient from uses "
-                            "outside the modules that own it, and the model's own forward was "
-                            "not captured. Call the model (not its submodules) in the forward."
-                        )
-                    self._from_root.add(k)
-                    rerouted = True
-        self._checked_pattern = self._pattern(step.calls)
-        return rerouted
+                    mismatched.append(k)
+        return mismatched
 
     @contextmanager
     def naming(self, module: nn.Module):

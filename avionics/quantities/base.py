@@ -146,6 +146,12 @@ class Quantity:
             return (PER_SAMPLE_LOSSES, *self.info_keys)
         return self.info_keys
 
+    def validate(self, step: int, info: dict) -> None:
+        """Raise if ``info`` cannot serve this quantity at ``step`` (e.g. an optimizer it does
+        not support). The cockpit calls it on entering a step the quantity is active at, after
+        checking that the keys of :meth:`required_info` are present and before the backward:
+        an error here leaves nothing computed, stored or logged."""
+
     def prepare(self, data: StepData) -> dict[str, list[Tensor]]:
         """Start-of-step work; return the directions (beyond "grad", the mean gradient) this
         quantity's request names, one tensor per parameter.

@@ -15,15 +15,11 @@ for all samples at once.
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from avionics.persample.rules.base import Rule, batch_first, output_gradient
-
-_warned_batchnorm_train = False
 
 
 def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
@@ -40,8 +36,7 @@ def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
         return x_hat.movedim(1, -1), x.dim() - 1
     # BatchNorm: channels on axis 1
-    if module.training or module.running_mean is None:
-        _warn_batchnorm_train()
+    if module.training or module.running_mean is None:  # the engine warns of it
         dims = tuple(d for d in range(x.dim()) if d != 1)
         var, mean = torch.var_mean(x, dims, keepdim=True, correction=0)
     else:
@@ -49,20 +44,6 @@ def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         mean, var = module.running_mean.reshape(shape), module.running_var.reshape(shape)
     x_hat = (x - mean) * torch.rsqrt(var + module.eps)
     return x_hat.movedim(1, -1), x.dim() - 1
-
-
-def _warn_batchnorm_train() -> None:
-    global _warned_batchnorm_train
-    if not _warned_batchnorm_train:
-        _warned_batchnorm_train = True
-        warnings.warn(
-            "BatchNorm in train mode normalises with statistics of the whole batch, so "
-            "per-sample gradients are not defined. avionics computes each sample's share of "
-            "the batch gradient (the contribution of sample n in backpropagation), which sums "
-            "to the true gradient. Put BatchNorm layers in eval mode for exact per-sample "
-            "statistics.",
-            stacklevel=2,
-        )
 
 
 class NormalizationRule(Rule):
