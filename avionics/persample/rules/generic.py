@@ -11,8 +11,10 @@ cannot batch (recurrent layers) take one product per sample instead: slower, equ
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
@@ -71,14 +73,31 @@ class GenericRule(Rule):
                     return vmap(sample_gradient, in_dims=in_dims)(leaves, deltas)
             except (RuntimeError, NotImplementedError, ValueError):
                 _UNBATCHABLE.add(type(module))
-        rows = [
-            sample_gradient(
-                [t.select(axis, i) if b else t for t, b in zip(leaves, batched, strict=True)],
-                [d.select(a, i) for d, a in zip(deltas, delta_axes, strict=True)],
-            )
-            for i in range(stop - start)
-        ]
+        with _reference_rnn_kernel(module):
+            rows = [
+                sample_gradient(
+                    [t.select(axis, i) if b else t for t, b in zip(leaves, batched, strict=True)],
+                    [d.select(a, i) for d, a in zip(deltas, delta_axes, strict=True)],
+                )
+                for i in range(stop - start)
+            ]
         return [torch.stack(per_param) for per_param in zip(*rows, strict=True)]
+
+
+@contextmanager
+def _reference_rnn_kernel(module):
+    """For a recurrent module: oneDNN off. Its float32 RNN kernel's backward needs a workspace
+    that torch.func's vjp does not keep ("Expected a proper Tensor ... 'workspace'"). The
+    flag is toggled alone: torch.backends.mkldnn.flags also resets TF32 and warns each time."""
+    if not isinstance(module, nn.RNNBase):
+        yield
+        return
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
 
 
 def _detach(leaf):
