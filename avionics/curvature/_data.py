@@ -18,6 +18,7 @@ through attention just work.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
@@ -34,6 +35,7 @@ ColumnProduct = Callable[[list[Tensor]], list[Tensor]]
 Batch = tuple[Tensor | Mapping, Tensor]
 
 DETERMINISM_RTOL, DETERMINISM_ATOL = 1e-5, 1e-7
+CHUNK_SIZE_INSTEAD = "pass None to multiply all columns at once"
 
 
 @contextmanager
@@ -59,6 +61,94 @@ def functional_pass():
     transforms (the module's own parameters that are not differentiated may require grad)."""
     with torch.no_grad(), math_attention():
         yield
+
+
+def forward_keeping_buffers(
+    model: nn.Module, X: Tensor | Mapping, tensors: Mapping[str, Tensor] | None = None
+) -> Tensor:
+    """``model(X)``, optionally with ``tensors`` (name -> tensor) in place of the module's own,
+    leaving the model's buffers as they were.
+
+    The buffers a forward pass updates in place (running statistics of train-mode norms, see
+    :func:`_updated_buffers`) are replaced by fresh copies for the call: the model is left as
+    it was found, also when the pass raises, and torch.func, which cannot mutate captured
+    tensors, can transform the call.
+    """
+    copies = {name: model.get_buffer(name).clone() for name in _updated_buffers(model)}
+    return functional_call(model, {**(tensors or {}), **copies}, (X,))
+
+
+def _updated_buffers(model: nn.Module) -> list[str]:
+    """Names of the buffers a forward pass updates: running statistics of train-mode norms."""
+    return [
+        f"{module_name}.{buffer_name}" if module_name else buffer_name
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.modules.batchnorm._NormBase) and module.training
+        for buffer_name, _ in module.named_buffers(recurse=False)
+    ]
+
+
+def check_positive_int(value, name: str, owner: str, instead: str) -> int:
+    """``value`` as an int if it is a positive integer; else a ValueError that names ``name``,
+    shows the value and says what to pass ``instead``."""
+    if _is_integer(value) and value > 0:
+        return int(value)
+    raise ValueError(
+        f"{owner}: {name} must be a positive integer, got {value!r} (a "
+        f"{type(value).__name__}); {instead}."
+    )
+
+
+def check_seed(seed, owner: str) -> int:
+    """``seed`` as an int (what ``torch.Generator.manual_seed`` takes); else a ValueError."""
+    if _is_integer(seed):
+        return int(seed)
+    raise ValueError(
+        f"{owner}: seed must be an integer, got {seed!r} (a {type(seed).__name__}); pass e.g. "
+        "seed=0."
+    )
+
+
+def _is_integer(value) -> bool:
+    """An integer of any integral type (Python, NumPy), but not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_batch(batch, dtype: torch.dtype | None, owner: str) -> None:
+    """Refuse a batch that is not an (inputs, targets) pair, or whose floating-point inputs
+    are not in ``dtype`` (the model's; ``None``: not checked).
+
+    The two usual slips, ``data=[X]`` and an unwrapped ``data=(X, y)``, both make the first
+    element of ``data`` a tensor where a pair is expected.
+    """
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise ValueError(
+            f"{owner}: data must be an iterable of (inputs, targets) batches (a list of (X, y) "
+            f"pairs or a DataLoader), but its first element is {_describe(batch)}; for a single "
+            f"batch pass data=[(X, y)]."
+        )
+    if dtype is None:
+        return
+    X = batch[0]
+    for x in X.values() if isinstance(X, Mapping) else [X]:
+        if isinstance(x, Tensor) and x.is_floating_point() and x.dtype != dtype:
+            raise ValueError(
+                f"{owner}: the inputs in data are {_describe(x)}, but the model computes in "
+                f"{dtype}; pass data in the model's dtype, e.g. [(X.to({dtype}), y)] "
+                "(X.float() for float32)."
+            )
+
+
+def _describe(value) -> str:
+    """A value's kind for an error message: its type, a tensor's dtype and shape, a string's
+    or number's value."""
+    if isinstance(value, (str, numbers.Number)):
+        return f"the {type(value).__name__} {value!r}"
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} tensor of shape {list(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} elements"
+    return f"a {type(value).__name__}"
 
 
 def map_columns(
@@ -94,7 +184,8 @@ class ModelDataOperator(CurvatureLinearOperator):
             model) a dict of name -> tensor or a list of tensors.
         data: A re-iterable of (X, y) batches (a list, a DataLoader): X a tensor, or a
             dict-like batch that the model takes (then ``batch_size_fn`` is required).
-        num_data: The number of samples in ``data``; counted with one pass when ``None``.
+        num_data: N, the number of samples in ``data`` (a positive int: it saves the counting
+            pass); counted with one pass when ``None``. Every pass over the data checks it.
         batch_size_fn: ``batch_size_fn(X) -> int`` for dict-like batches.
         check_deterministic: Run two passes and refuse a model or data that differ between
             them (dropout, train-mode BatchNorm with shuffling, drop_last, augmentation).
@@ -119,36 +210,39 @@ class ModelDataOperator(CurvatureLinearOperator):
         progressbar: bool = False,
         chunk_size: int | None = 32,
     ):
+        owner = type(self).__name__
         self._model = model
         self._loss_fn = loss_fn
         self._param_names, self._params, self._params_container = _resolve_params(model, params)
         # The same tensors as leaves of an autograd graph, for the plain-autograd products.
         self._leaves = [p.detach().requires_grad_() for p in self._params]
-        self._updated_buffers = _updated_buffers(model)
-        self._check_data(data, batch_size_fn)
-        self._data = data
-        self._batch_size_fn = batch_size_fn if batch_size_fn is not None else _leading_size
-        self._progressbar = progressbar
-        self._chunk_size = chunk_size
-        if loss_fn is not None and getattr(loss_fn, "reduction", None) not in ("mean", "sum"):
-            raise ValueError(
-                f"{type(self).__name__} needs a loss module with reduction 'mean' or 'sum' (the "
-                f"data-set normalisation depends on it), got {loss_fn!r} with reduction "
-                f"{getattr(loss_fn, 'reduction', None)!r}."
-            )
-        self.num_data = (
-            sum(self._batch_size_fn(X) for X, _ in self._batches("counting data"))
-            if num_data is None
-            else num_data
-        )
         dtypes = {p.dtype for p in self._params}
         devices = {p.device for p in self._params}
         if len(dtypes) != 1 or len(devices) != 1:
             raise ValueError(
-                f"{type(self).__name__} needs all parameters in one dtype on one device, got "
-                f"dtypes {dtypes} and devices {devices}."
+                f"{owner} needs all parameters in one dtype on one device, got dtypes {dtypes} "
+                f"and devices {devices}."
             )
-        super().__init__(self._in_shapes(), self._out_shapes(), dtypes.pop(), devices.pop())
+        (dtype,), (device,) = dtypes, devices
+        if loss_fn is not None and getattr(loss_fn, "reduction", None) not in ("mean", "sum"):
+            raise ValueError(
+                f"{owner} needs loss_fn to be a loss module with reduction 'mean' or 'sum' (the "
+                f"data-set normalisation depends on it), got {loss_fn!r} with reduction "
+                f"{getattr(loss_fn, 'reduction', None)!r}."
+            )
+        if num_data is not None:
+            num_data = check_positive_int(
+                num_data, "num_data", owner, "pass the number of samples in data, or None"
+            )
+        if chunk_size is not None:
+            check_positive_int(chunk_size, "chunk_size", owner, CHUNK_SIZE_INSTEAD)
+        self._check_data(data, batch_size_fn, dtype)
+        self._data = data
+        self._batch_size_fn = batch_size_fn if batch_size_fn is not None else _leading_size
+        self._progressbar = progressbar
+        self._chunk_size = chunk_size
+        self.num_data = self._count_samples() if num_data is None else num_data
+        super().__init__(self._in_shapes(), self._out_shapes(), dtype, device)
         if check_deterministic:
             self._check_deterministic()
 
@@ -165,12 +259,7 @@ class ModelDataOperator(CurvatureLinearOperator):
     def _output(self, params: Sequence[Tensor], X: Tensor | Mapping) -> Tensor:
         """The model output f(theta, X) as a function of the parameter tensors."""
         if isinstance(self._model, nn.Module):
-            # Buffers the forward pass updates in place (running statistics of train-mode
-            # BatchNorm) get fresh copies: torch.func cannot mutate captured tensors, and the
-            # operator leaves the model as it found it.
-            copies = {name: self._model.get_buffer(name).clone() for name in self._updated_buffers}
-            tensors = {**dict(zip(self._param_names, params)), **copies}
-            return functional_call(self._model, tensors, (X,))
+            return forward_keeping_buffers(self._model, X, dict(zip(self._param_names, params)))
         if self._params_container is dict:
             return self._model(dict(zip(self._param_names, params)), X)
         return self._model(list(params), X)
@@ -183,22 +272,58 @@ class ModelDataOperator(CurvatureLinearOperator):
         """w_b of equation (1)."""
         if self._loss_fn is None or self._loss_fn.reduction == "sum":
             return 1.0
-        return self._batch_size_fn(X) / self.num_data
+        return self._batch_size(X) / self.num_data
+
+    def _batch_size(self, X: Tensor | Mapping) -> int:
+        """B_b, the number of samples in a batch: a positive integer."""
+        return check_positive_int(
+            self._batch_size_fn(X),
+            "the size of every batch of data",
+            type(self).__name__,
+            "leave empty batches out of data (a batch_size_fn returns the number of samples in X)",
+        )
 
     # ---------------------------------------------------------------------------------------
     # Passes over the data
     # ---------------------------------------------------------------------------------------
 
-    def _batches(self, desc: str) -> Iterator[Batch]:
-        """The batches of the data set, on the operator's device, behind a progress bar."""
-        data = self._data
+    def _with_progress(self, desc: str) -> Iterable[Batch]:
+        """The data, behind a tqdm progress bar if one was asked for."""
         if self._progressbar:
-            data = tqdm(data, desc=f"{type(self).__name__}: {desc}")
+            return tqdm(self._data, desc=f"{type(self).__name__}: {desc}")
+        return self._data
+
+    def _count_samples(self) -> int:
+        """N, the number of samples in the batches of one pass over the data."""
+        return sum(self._batch_size(X) for X, _ in self._with_progress("counting data"))
+
+    def _batches(self, desc: str) -> Iterator[Batch]:
+        """The batches of one pass over the data set, on the operator's device.
+
+        Every pass checks that the batches hold num_data samples: the weights w_b of (1) and
+        the output space of the Jacobians depend on it. A pass with more samples stops before
+        the batch that goes beyond num_data (the rest are counted, not yielded), one with
+        fewer after its last batch, with an error that gives both numbers.
+        """
         device = self._params[0].device
-        for X, y in data:
+        batches = iter(self._with_progress(desc))
+        seen = 0
+        for X, y in batches:
+            seen += self._batch_size(X)
+            if seen > self.num_data:
+                seen += sum(self._batch_size(X) for X, _ in batches)
+                break
             if isinstance(X, Tensor):
                 X = X.to(device)
             yield X, y.to(device) if isinstance(y, Tensor) else y
+        if seen != self.num_data:
+            raise ValueError(
+                f"{type(self).__name__} was made for num_data={self.num_data} samples, but a "
+                f"pass over data gave {seen}: pass num_data={seen} (or None to count them). "
+                "num_data is the size of data itself (the curvature of a subsample normalised "
+                "by a larger set's size is neither its mean nor its sum), and data must hold "
+                "the same samples on every pass."
+            )
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         """sum_b w_b A_b M over the batches (equation (1))."""
@@ -261,7 +386,10 @@ class ModelDataOperator(CurvatureLinearOperator):
     # Checks
     # ---------------------------------------------------------------------------------------
 
-    def _check_data(self, data: Iterable[Batch], batch_size_fn) -> None:
+    def _check_data(self, data: Iterable[Batch], batch_size_fn, dtype: torch.dtype) -> None:
+        """Refuse a one-shot iterator, an empty data set, a first batch that is not an (X, y)
+        pair in the model's dtype (:func:`check_batch`), and a batch_size_fn that is not a
+        function or missing for batches whose X is not a tensor."""
         if iter(data) is data:
             raise TypeError(
                 f"{type(self).__name__} passes over the data several times, so data must be "
@@ -271,6 +399,12 @@ class ModelDataOperator(CurvatureLinearOperator):
         first = next(iter(data), None)
         if first is None:
             raise ValueError(f"{type(self).__name__} got an empty data set.")
+        check_batch(first, dtype, type(self).__name__)
+        if batch_size_fn is not None and not callable(batch_size_fn):
+            raise TypeError(
+                f"{type(self).__name__}: batch_size_fn must be a function X -> number of "
+                f"samples in X, got {_describe(batch_size_fn)}."
+            )
         if not isinstance(first[0], Tensor) and batch_size_fn is None:
             raise ValueError(
                 f"{type(self).__name__} got batches whose X is a {type(first[0]).__name__}, "
@@ -313,18 +447,6 @@ class ModelDataOperator(CurvatureLinearOperator):
             )
 
 
-def _updated_buffers(model: nn.Module | ModelFunction) -> list[str]:
-    """Names of the buffers a forward pass updates: running statistics of train-mode norms."""
-    if not isinstance(model, nn.Module):
-        return []
-    return [
-        f"{module_name}.{buffer_name}" if module_name else buffer_name
-        for module_name, module in model.named_modules()
-        if isinstance(module, nn.modules.batchnorm._NormBase) and module.training
-        for buffer_name, _ in module.named_buffers(recurse=False)
-    ]
-
-
 def _leading_size(X: Tensor) -> int:
     return X.shape[0]
 
@@ -348,6 +470,14 @@ def _resolve_params(
             raise ValueError("params is empty: pass the tensors the curvature is taken w.r.t.")
         return names, [t.detach() for t in tensors], container
 
+    if params is not None and (
+        isinstance(params, (str, Tensor, nn.Module)) or not isinstance(params, Iterable)
+    ):
+        raise TypeError(
+            "params must be None (all parameters that require grad), a list of parameter names "
+            f"or a list of the model's parameters, got {_describe(params)}; e.g. for one "
+            "parameter pass params=['0.weight'] or params=[model[0].weight]."
+        )
     named = dict(model.named_parameters())
     if params is None:
         chosen = [(n, p) for n, p in named.items() if p.requires_grad]

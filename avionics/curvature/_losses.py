@@ -27,11 +27,19 @@ from torch.func import grad, vjp
 OutputProduct = Callable[[Tensor], Tensor]
 
 
-def _is_plain_cross_entropy(loss_fn: nn.Module, y: Tensor) -> bool:
+def _is_samplable_cross_entropy(loss_fn: nn.Module) -> bool:
+    """Cross-entropy whose predictive distribution is Categorical(softmax f)."""
     return (
         isinstance(loss_fn, nn.CrossEntropyLoss)
         and loss_fn.weight is None
         and loss_fn.label_smoothing == 0.0
+    )
+
+
+def _is_plain_cross_entropy(loss_fn: nn.Module, y: Tensor) -> bool:
+    """Cross-entropy with the closed-form Hessian: also integer labels, none ignored."""
+    return (
+        _is_samplable_cross_entropy(loss_fn)
         and not y.is_floating_point()
         and not (y == loss_fn.ignore_index).any()
     )
@@ -43,6 +51,22 @@ def _is_plain_bce(loss_fn: nn.Module) -> bool:
         and loss_fn.weight is None
         and loss_fn.pos_weight is None
     )
+
+
+def check_samplable(loss_fn: nn.Module) -> None:
+    """Refuse a loss whose predictive distribution p(. | f) of (1) is not known, so that
+    :func:`sampled_output_gradients` cannot draw from it."""
+    if not (
+        _is_samplable_cross_entropy(loss_fn)
+        or isinstance(loss_fn, nn.MSELoss)
+        or _is_plain_bce(loss_fn)
+    ):
+        raise ValueError(
+            "The Monte-Carlo Fisher samples from the model's predictive distribution, which is "
+            "known for MSELoss, CrossEntropyLoss (without class weights or label smoothing) and "
+            f"BCEWithLogitsLoss (without weights), not for loss_fn={loss_fn!r}; use "
+            "GGNOperator for the exact Gauss-Newton matrix (KFACOperator: fisher_type='type-2')."
+        )
 
 
 def _kappa(loss_fn: nn.Module, num_terms: int) -> float:
@@ -78,11 +102,10 @@ def sampled_output_gradients(
     By (1), kappa / M * sum_m S[m] S[m]^T (taken per sample of the batch) is an unbiased
     estimate of d2 L / df2 restricted to the per-sample blocks.
     """
+    check_samplable(loss_fn)
     output = output.detach()
     shape = (num_samples, *output.shape)
-    if isinstance(loss_fn, nn.CrossEntropyLoss) and loss_fn.weight is None:
-        if loss_fn.label_smoothing != 0.0:
-            raise ValueError("MCFisherOperator does not support CrossEntropyLoss label_smoothing.")
+    if isinstance(loss_fn, nn.CrossEntropyLoss):
         p = output.softmax(dim=1)
         num_classes = p.shape[1]
         p_rows = p.movedim(1, -1).reshape(-1, num_classes)
@@ -94,14 +117,8 @@ def sampled_output_gradients(
         # y_hat = f + e, e ~ N(0, I / 2): d (f - y_hat)^2 / df = -2 e ~ N(0, 2 I).
         noise = torch.randn(shape, generator=generator, dtype=output.dtype, device=output.device)
         return 2.0**0.5 * noise, _kappa(loss_fn, output.numel())
-    if _is_plain_bce(loss_fn):
-        sigma = output.sigmoid().expand(shape)
-        return sigma - torch.bernoulli(sigma, generator=generator), _kappa(loss_fn, output.numel())
-    raise ValueError(
-        "MCFisherOperator samples from the model's predictive distribution, which is known for "
-        "MSELoss, CrossEntropyLoss (without class weights) and BCEWithLogitsLoss (without "
-        f"weights), not for {loss_fn!r}; use GGNOperator for the exact Gauss-Newton matrix."
-    )
+    sigma = output.sigmoid().expand(shape)  # BCEWithLogitsLoss
+    return sigma - torch.bernoulli(sigma, generator=generator), _kappa(loss_fn, output.numel())
 
 
 def per_sample_outer_product(S: Tensor, scale: float) -> OutputProduct:

@@ -14,10 +14,49 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor, nn
 
-from avionics.curvature._data import math_attention
+from avionics.curvature._data import (
+    CHUNK_SIZE_INSTEAD,
+    check_batch,
+    check_positive_int,
+    forward_keeping_buffers,
+    math_attention,
+)
 from avionics.curvature.base import CurvatureLinearOperator
 
 IO_TYPES = ("input", "output")
+
+
+def _check_activation(activation, module_names: list[str]) -> tuple[str, str, int]:
+    """``activation`` as (module_name, io, index) if it has that form, with a module name of
+    the model, an io type of :data:`IO_TYPES` and an int index; else a ValueError that says
+    which part is wrong and what goes there (whether the index exists shows in the forward)."""
+    if not isinstance(activation, (tuple, list)) or len(activation) != 3:
+        raise ValueError(
+            f"activation must be a tuple (module_name, io, index): a module name of the model "
+            f"(one of {module_names}), io one of {IO_TYPES}, and index the position in that "
+            f"module's input or output tuple (0 for single-tensor layers), e.g. "
+            f"({module_names[-1]!r}, 'output', 0); got {activation!r}."
+        )
+    module_name, io, index = activation
+    if module_name not in module_names:
+        raise ValueError(
+            f"The model has no module named {module_name!r}; the available names are "
+            f"{module_names}."
+        )
+    if io not in IO_TYPES:
+        raise ValueError(f"The io type must be one of {IO_TYPES}, got {io!r}.")
+    if not isinstance(index, int) or isinstance(index, bool):
+        raise ValueError(
+            f"activation {tuple(activation)}: the index must be an int, the position in the "
+            f"module's {io} tuple (0 for single-tensor layers), got {index!r} (a "
+            f"{type(index).__name__})."
+        )
+    return module_name, io, index
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the model's first floating-point parameter (None if it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
 
 
 class ActivationHessianOperator(CurvatureLinearOperator):
@@ -58,16 +97,20 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         check_deterministic: bool = True,
         chunk_size: int | None = 32,
     ):
-        module_name, io, index = activation
-        modules = dict(model.named_modules())
-        if module_name not in modules:
-            raise ValueError(
-                f"The model has no module named {module_name!r}; the available names are "
-                f"{list(modules)}."
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                "ActivationHessianOperator needs model to be an nn.Module (it hooks one of its "
+                f"modules), got a {type(model).__name__}."
             )
-        if io not in IO_TYPES:
-            raise ValueError(f"The io type must be one of {IO_TYPES}, got {io!r}.")
+        modules = dict(model.named_modules())
+        module_name, io, index = _check_activation(activation, list(modules))
+        if chunk_size is not None:
+            check_positive_int(
+                chunk_size, "chunk_size", "ActivationHessianOperator", CHUNK_SIZE_INSTEAD
+            )
         batches = list(data)
+        if batches:
+            check_batch(batches[0], _floating_dtype(model), "ActivationHessianOperator")
         if len(batches) != 1:
             raise ValueError(
                 f"ActivationHessianOperator requires a single batch, got {len(batches)} "
@@ -131,7 +174,7 @@ class ActivationHessianOperator(CurvatureLinearOperator):
             handle = self._module.register_forward_hook(output_hook)
         try:
             with torch.enable_grad():
-                loss = self._loss_fn(self._model(self._X), self._y)
+                loss = self._loss_fn(forward_keeping_buffers(self._model, self._X), self._y)
         finally:
             handle.remove()
         if not captured:

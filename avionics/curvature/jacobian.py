@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import jvp, vjp
 
 from avionics.curvature._data import ModelDataOperator, functional_pass
@@ -19,7 +19,17 @@ class _OutputsOperator(ModelDataOperator):
     SELF_ADJOINT = False
     FIXED_DATA_ORDER = True
 
-    def __init__(self, model, params, data, **kwargs):
+    def __init__(self, model, params, data, *misplaced, **kwargs):
+        # The other operators take (model, loss_fn, params, data): a loss function passed the
+        # same way lands in params, and data in misplaced.
+        if isinstance(params, nn.Module) or misplaced or "loss_fn" in kwargs:
+            name = type(self).__name__
+            extra = f" and {len(misplaced)} more positional argument(s)" if misplaced else ""
+            raise TypeError(
+                f"{name} is of the model outputs alone and takes no loss function: call "
+                f"{name}(model, params, data) with params None (all parameters that require "
+                f"grad) or the parameters, and options by keyword; got params={params!r}{extra}."
+            )
         self._arguments = dict(model=model, params=params, data=data, **kwargs)
         super().__init__(model, None, params, data, **kwargs)
 
@@ -38,7 +48,7 @@ class JacobianOperator(_OutputsOperator):
 
     Maps a parameter-space vector v to J v = [J_1 v; ...; J_B v] of shape [N, *f] (the model
     outputs stacked over the data set), each J_b v by forward-mode differentiation (jvp),
-    all columns together.
+    all columns together. Unlike the curvature operators it takes no loss function.
 
     Args:
         model: The network (an ``nn.Module``) or a function ``model(params, X)``.
@@ -85,7 +95,7 @@ class TransposedJacobianOperator(_OutputsOperator):
         start = 0
         with functional_pass():
             for X, y in self._batches("J^T @ M"):
-                size = self._batch_size_fn(X)
+                size = self._batch_size(X)
                 rows = [M[0][:, start : start + size]]
                 for total, block in zip(JTM, self._matmat_batch(X, y, rows)):
                     total.add_(block)

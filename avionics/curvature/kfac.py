@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -9,8 +11,18 @@ import torch
 from torch import Tensor, nn
 from torch.func import grad
 
-from avionics.curvature._data import ModelDataOperator, math_attention
-from avionics.curvature._losses import output_hessian_square_root, sampled_output_gradients
+from avionics.curvature._data import (
+    ModelDataOperator,
+    check_positive_int,
+    check_seed,
+    forward_keeping_buffers,
+    math_attention,
+)
+from avionics.curvature._losses import (
+    check_samplable,
+    output_hessian_square_root,
+    sampled_output_gradients,
+)
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.persample.capture import Capture, ModuleCall, output_edge
 from avionics.persample.rules.conv import unfold
@@ -81,7 +93,14 @@ class KFACOperator(ModelDataOperator):
             raise TypeError("KFACOperator needs the model as an nn.Module (it hooks its layers).")
         if fisher_type not in FISHER_TYPES:
             raise ValueError(f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}.")
-        self._fisher_type, self._mc_samples, self._seed = fisher_type, mc_samples, seed
+        if fisher_type == "mc":
+            check_samplable(loss_fn)
+        owner = type(self).__name__
+        self._fisher_type = fisher_type
+        self._mc_samples = check_positive_int(
+            mc_samples, "mc_samples", owner, "pass the number of draws, e.g. 1"
+        )
+        self._seed = check_seed(seed, owner)
         self._separate_weight_and_bias = separate_weight_and_bias
         super().__init__(model, loss_fn, params, data, check_deterministic=False, **kwargs)
         self.blocks = self._find_blocks()
@@ -170,7 +189,7 @@ class KFACOperator(ModelDataOperator):
         capture.arm()
         try:
             with torch.enable_grad():
-                output = self._model(X)
+                output = forward_keeping_buffers(self._model, X)
         finally:
             capture.disarm()
         calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
@@ -270,8 +289,10 @@ class KFACInverseOperator(CurvatureLinearOperator):
     SELF_ADJOINT = True
 
     def __init__(self, kfac: KFACOperator, eigenbases: dict, damping: float):
-        if not damping > 0:
-            raise ValueError(f"damping must be positive, got {damping!r}.")
+        if not (isinstance(damping, numbers.Real) and 0 < damping < math.inf):
+            raise ValueError(
+                f"damping must be positive and finite, got {damping!r}; pass e.g. damping=1e-3."
+            )
         super().__init__(kfac.in_shapes, kfac.out_shapes, kfac.dtype, kfac.device)
         self._blocks, self._eigenbases, self._damping = kfac.blocks, eigenbases, damping
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from avionics.curvature._data import check_positive_int, check_seed
 from avionics.curvature._losses import (
     OutputProduct,
+    check_samplable,
     per_sample_outer_product,
     sampled_output_gradients,
 )
@@ -40,9 +42,11 @@ class MCFisherOperator(GGNOperator):
 
     def __init__(self, model, loss_fn, params, data, *, mc_samples: int = 1, seed: int = 0,
                  **kwargs):  # fmt: skip
-        if not isinstance(mc_samples, int) or mc_samples < 1:
-            raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}.")
-        self._mc_samples, self._seed = mc_samples, seed
+        check_samplable(loss_fn)
+        self._mc_samples = check_positive_int(
+            mc_samples, "mc_samples", type(self).__name__, "pass the number of draws, e.g. 1"
+        )
+        self._seed = check_seed(seed, type(self).__name__)
         super().__init__(model, loss_fn, params, data, **kwargs)
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
