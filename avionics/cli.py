@@ -3,16 +3,87 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
+import os
 import sys
 from pathlib import Path
 
 EXPORT_FORMATS = ("csv", "cockpit-json", "tensorboard")
 EXPORT_DEFAULT_NAMES = {"csv": "log.csv", "cockpit-json": "cockpit.json", "tensorboard": "tb"}
+# What to do about an operating system's refusal, by errno (otherwise: check the path).
+OS_ERROR_ADVICE = {
+    errno.ENOSPC: "free some disk space or write elsewhere",
+    errno.EDQUOT: "free some of your disk quota or write elsewhere",
+}
 
 
 class CommandError(Exception):
     """An error the user can fix; printed without a traceback."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}; see {self.prog} --help\n")
+
+
+def _positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    error = argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}")
+    try:
+        value = int(text)
+    except ValueError:
+        raise error from None
+    if value < 1:
+        raise error
+    return value
+
+
+def _unwritable(path: Path, kind: str) -> str | None:
+    """Why ``path`` cannot be written as a ``kind`` ("file" or "folder"), or None if it can:
+    it exists as the other kind, the nearest of its folders that exists (missing ones are
+    created) is a file, or what would be written into is not writable."""
+    if path.exists():
+        if path.is_dir() != (kind == "folder"):
+            return f"it is a {'folder' if path.is_dir() else 'file'}, not a {kind}"
+        target = path
+    else:
+        target = next(folder for folder in path.absolute().parents if folder.exists())
+        if not target.is_dir():
+            return f"{target} is a file, not a folder"
+    if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        return f"{target} is not writable (permission denied)"
+    return None
+
+
+def _check_output(path: Path, kind: str, what: str, option: str) -> None:
+    """Raise :class:`CommandError` unless ``path`` can be written as a ``kind`` holding
+    ``what``; ``option`` is the command-line option that chooses it."""
+    reason = _unwritable(path, kind)
+    if reason is not None:
+        raise CommandError(
+            f"cannot write {what} to {path}: {reason}. Pass {option} with another {kind}."
+        )
+
+
+def _check_image(path: Path, what: str, option: str) -> None:
+    """:func:`_check_output` for an image file, which must also name a format the dashboard
+    saves."""
+    from avionics.dashboard.figure import FORMATS
+
+    _check_output(path, "file", what, option)
+    if path.suffix.lower() not in FORMATS:
+        raise CommandError(
+            f"cannot save {what} as {path.name!r}: use a file name ending in "
+            f"{', '.join(FORMATS)} (pass {option})."
+        )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (after following links and ``..``)."""
+    return a.resolve() == b.resolve()
 
 
 def _run_dir(run: str) -> Path:
@@ -22,9 +93,17 @@ def _run_dir(run: str) -> Path:
 
 
 def _read(run: str):
+    """The run at ``run``; a note on stderr if some lines could not be read, and an error if
+    no step could (then it is no run log, or one that has not logged a step yet)."""
     from avionics.records import read_run
 
     result = read_run(run)
+    if not result.steps:
+        found = f" (first problem: {result.problems[0]})" if result.problems else ""
+        raise CommandError(
+            f"no step could be read from {result.path}{found}: pass a run directory or "
+            ".jsonl log written by Cockpit(..., log=DIR) once it has logged a step."
+        )
     if result.problems:
         print(
             f"note: {len(result.problems)} line(s) of {result.path} could not be read and were "
@@ -38,6 +117,7 @@ def _demo(args) -> int:
     from avionics.demo import run_demo
 
     out = Path(args.out) if args.out else _fresh_folder(Path("avionics-demo"))
+    _check_output(out, "folder", "the demo runs", "--out")
     run_demo(out, steps=args.steps, progress=not args.quiet)
     return 0
 
@@ -56,11 +136,19 @@ def _plot(args) -> int:
 
     run = _read(args.run)
     output = Path(args.output) if args.output else _run_dir(args.run) / "cockpit.png"
+    secondary = Path(args.secondary) if args.secondary else None
+    _check_image(output, "the dashboard", "-o/--output")
+    if secondary is not None:
+        _check_image(secondary, "the secondary screen", "--secondary")
+        if _same_file(secondary, output):
+            raise CommandError(
+                f"--secondary {secondary} is the dashboard's file too: pass another file."
+            )
     plot(run, output, title=args.title)
     print(f"dashboard written to {output}")
-    if args.secondary:
-        plot_secondary(run, args.secondary)
-        print(f"secondary screen written to {args.secondary}")
+    if secondary is not None:
+        plot_secondary(run, secondary)
+        print(f"secondary screen written to {secondary}")
     return 0
 
 
@@ -82,16 +170,23 @@ def _export(args) -> int:
     run = _read(args.run)
     name = EXPORT_DEFAULT_NAMES[args.format]
     output = Path(args.output) if args.output else _run_dir(args.run) / name
-    if args.format == "csv":
-        to_csv(run, output)
-    elif args.format == "cockpit-json":
-        if output.suffix != ".json":
-            raise CommandError(
-                f"the reference tool reads logs named *.json; got {output}. Pass -o FILE.json."
-            )
-        to_cockpit_json(run, output)
-    else:
+    kind = "folder" if args.format == "tensorboard" else "file"
+    _check_output(output, kind, f"the {args.format} export", "-o/--output")
+    if args.format == "cockpit-json" and output.suffix != ".json":
+        raise CommandError(
+            f"the reference tool reads logs named *.json; got {output}. Pass -o FILE.json."
+        )
+    if _same_file(output, run.path):
+        raise CommandError(
+            f"-o/--output {output} is the run's log: exporting there would overwrite it. "
+            "Pass -o with another path."
+        )
+    if args.format == "tensorboard":
         to_tensorboard(run, output, progress=True)
+    else:
+        output.parent.mkdir(parents=True, exist_ok=True)  # as plot and tensorboard do
+        export = to_csv if args.format == "csv" else to_cockpit_json
+        export(run, output)
     print(f"{args.format} written to {output}")
     return 0
 
@@ -100,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``avionics`` command."""
     from avionics import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="avionics",
         description="A cockpit for PyTorch training: draw, diagnose and export run logs "
         "written by Cockpit(..., log=DIR), or run the demo.",
@@ -119,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", help="output folder (default: avionics-demo, or avionics-demo-2, ... if taken)"
     )
     demo.add_argument(
-        "--steps", type=int, default=200, help="training steps per run (default: %(default)s)"
+        "--steps",
+        type=_positive_int,
+        default=200,
+        help="training steps per run, at least 1 (default: %(default)s)",
     )
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     demo.set_defaults(handler=_demo)
@@ -161,14 +259,41 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _message(error: Exception) -> str:
+    """One line saying what went wrong: an OSError raised by the operating system names its
+    file, reason and what to do (``/tmp/x.csv: permission denied; check the path and its
+    permissions.``); any other error of avionics says what to do itself."""
+    if isinstance(error, OSError) and error.strerror and error.filename is not None:
+        advice = OS_ERROR_ADVICE.get(error.errno, "check the path and its permissions")
+        return f"{error.filename}: {error.strerror.lower()}; {advice}."
+    return " ".join(str(error).split())
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; return the exit status (0 success, 1 error, 2 usage error)."""
+    """Run the command line; return the exit status (0 success, 1 error, 2 usage error,
+    130 interrupted). Every error is one line on stderr, ``avionics COMMAND: error: ...``."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    prefix = f"avionics {args.command}"
     try:
         return args.handler(args)
-    except (CommandError, FileNotFoundError, FileExistsError, ValueError, ImportError) as error:
-        print(f"avionics {args.command}: error: {error}", file=sys.stderr)
+    except BrokenPipeError:
+        # stdout's reader went away (``avionics diagnose RUN | head``): stop quietly, and
+        # point stdout at devnull so that the interpreter's last flush does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except KeyboardInterrupt:
+        print(f"{prefix}: interrupted", file=sys.stderr)
+        return 130
+    # User errors, printed as one line: CommandError (the checks above); OSError (a path the
+    # user chose is missing, a directory, unwritable, or the disk is full); ValueError (the
+    # library's answer to bad content: not a run log, a newer log format, a blank path);
+    # ImportError (an optional dependency is missing: the message says what to install).
+    # Anything else, TypeError included (the command line passes only strings, so the
+    # library's TypeErrors for wrong argument types cannot come from the user), is a bug:
+    # its traceback is what a bug report needs.
+    except (CommandError, OSError, ValueError, ImportError) as error:
+        print(f"{prefix}: error: {_message(error)}", file=sys.stderr)
         return 1
 
 

@@ -137,6 +137,10 @@ def run_demo(
     """Train, draw and diagnose both runs under ``out``; print where everything went and the
     two diagnoses. Return ``{run name: findings}``. ``schedules`` overrides
     :data:`SCHEDULES`."""
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise TypeError(f"run_demo(steps=...) needs an integer >= 1, got {steps!r}.")
+    if steps < 1:
+        raise ValueError(f"run_demo(steps=...) needs an integer >= 1, got {steps!r}.")
     out = Path(out)
     if any((out / name).exists() for name in LEARNING_RATES):
         raise FileExistsError(

@@ -28,6 +28,11 @@ bottleneck (a run of equal bins serialises on one counter), so counts go to seve
 counters, and in 1d with ``bins <= PAIR_BINS`` two values are counted with one increment of
 their joint bin b(x_1) * bins + b(x_2), marginalised at the end. Tensors on an accelerator are
 counted with ``torch.histc`` / ``torch.bincount``.
+
+The kernels are compiled on first use and cached on disk where numba finds a writable folder
+(``NUMBA_CACHE_DIR``, this package's ``__pycache__``, or the user-wide cache under
+``~/.cache``); where it finds none (a read-only installation used by a user without a writable
+home), they are compiled anew in each process (:data:`CACHE` is False).
 """
 
 from __future__ import annotations
@@ -52,7 +57,25 @@ _SEARCH_COST = 64
 # one (numpy's sort: about 4 ns per element; the one-by-one kernel: about 1 ns per product).
 _SORT_ROWS = 4
 
-_jit = numba.njit(cache=True, nogil=True, boundscheck=False)
+
+def _cache_probe():
+    """Never called: decorated once to learn whether numba can cache this file's kernels."""
+
+
+def _numba_can_cache() -> bool:
+    """Whether numba finds a writable cache folder for this file. ``njit(cache=True)`` looks
+    for one when it decorates and raises ``RuntimeError`` ("cannot cache function ...: no
+    locator available") when every candidate is missing or read-only; the answer is the same
+    for every function of one source file, so one probe decides for all kernels."""
+    try:
+        numba.njit(cache=True)(_cache_probe)
+    except RuntimeError:
+        return False
+    return True
+
+
+CACHE = _numba_can_cache()
+_jit = numba.njit(cache=CACHE, nogil=True, boundscheck=False)
 
 
 @_jit
