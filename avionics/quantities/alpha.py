@@ -31,8 +31,12 @@ The projections at t need s, which for most optimizers exists only after ``optim
 
 Scalars stay on the device until the fit, which reads them with one host transfer.
 
-For a sum-reduced loss, f is L / N (the mean of the per-sample losses), consistent with the
-derivatives, which are means over samples; alpha is invariant to that scaling.
+Alpha refers to the mean loss over the batch: for a sum-reduced loss, f is L / N (the mean of
+the per-sample losses), consistent with the derivatives, which are means over samples; alpha
+is invariant to that scaling.
+
+Observations that are not finite (NaN or infinite gradients or losses at either step) give
+nan; the start step after them starts afresh.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ _DIRECTION = "Alpha"
 
 
 class Alpha(TwoStepQuantity):
-    """The normalized step length of the noise-aware quadratic fit along the update (see the
-    module docstring): 0 means the step landed on the fitted minimum, 1 that it jumped to the
-    mirror point, -1 no motion or no minimum. Stored under the start step t."""
+    """The normalized step length of the noise-aware quadratic fit of the mean loss over the
+    batch along the update (see the module docstring): 0 means the step landed on the fitted
+    minimum, 1 that it jumped to the mirror point, -1 no motion or no minimum; nan when the
+    observations are not finite. Stored under the start step t."""
 
     info_keys = ("individual_losses", "batch_size", "optimizer")
 
@@ -66,6 +71,17 @@ class Alpha(TwoStepQuantity):
         self._plain_sgd: bool | None = None  # of the optimizer seen at the last start
         # measure s when optimizer.step() returns (until the parameters once changed after it)
         self._at_optimizer_step = True
+
+    def validate(self, step: int, info: dict) -> None:
+        """info['optimizer'] is the optimizer that updates the parameters (Alpha knows the
+        update from its settings or measures it when its step returns)."""
+        optimizer = info["optimizer"]
+        if not hasattr(optimizer, "step"):
+            raise TypeError(
+                f"Step {step}: Alpha reads info['optimizer'], which must be the optimizer that "
+                f"updates the parameters (a torch.optim.Optimizer); got {optimizer!r}. Pass "
+                "info={..., 'optimizer': opt} or remove Alpha."
+            )
 
     def request(self, step: int) -> Request:
         directions = set()
@@ -162,11 +178,6 @@ class _Start:
             start.projections = projections / -_positive(g_norm.to(projections.dtype))
             start.unit = _unit_step(data, grad_norm, g_norm)
         else:
-            if not hasattr(optimizer, "step"):
-                raise TypeError(
-                    f"Step {data.step}: Alpha reads info['optimizer'], which must be the "
-                    f"optimizer that updates the parameters; got {type(optimizer).__name__}."
-                )
             if data.captured is None:
                 raise RuntimeError(f"Step {data.step}: Alpha needs the step's per-sample data.")
             start.params = data.params_copy()
@@ -249,7 +260,7 @@ class _Start:
         start = self.projections.double()
         changed = torch.zeros((), dtype=torch.float64, device=start.device)
         if self._norms is not None:
-            changed = (_norms(data.params) != self._norms).any().double()  # a fingerprint
+            changed = _changed(_norms(data.params), self._norms).double()  # a fingerprint
         # one host transfer for the whole fit
         changed, tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
             [
@@ -311,7 +322,10 @@ def _unit_step(data: StepData, grad_norm: Tensor, g_norm: Tensor) -> list:
 
 
 def fit_alpha(tau: float, f, df, var_f, var_df) -> float:
-    """Alpha from the weighted least-squares quadratic fit of SPEC section 2."""
+    """Alpha from the weighted least-squares quadratic fit of SPEC section 2; nan when an
+    observation, a variance or tau is not finite (there is nothing to fit)."""
+    if not all(map(math.isfinite, [tau, *f, *df, *var_f, *var_df])):
+        return math.nan
     x = np.array([[1.0, 0.0, 0.0], [1.0, tau, tau**2], [0.0, 1.0, 0.0], [0.0, 1.0, 2.0 * tau]])
     y = np.array([*f, *df], dtype=np.float64)
     variances = np.array([*var_f, *var_df], dtype=np.float64)
@@ -346,6 +360,12 @@ def _summed(per_parameter: list[Tensor]) -> Tensor:
     if len({t.dtype for t in per_parameter}) > 1:
         return sum(per_parameter)
     return torch.stack(per_parameter).sum(0)
+
+
+def _changed(norms: Tensor, kept: Tensor) -> Tensor:
+    """Whether any norm differs from the kept one; nan equals nan (parameters that were nan
+    and still are did not change)."""
+    return ((norms != kept) & ~(norms.isnan() & kept.isnan())).any()
 
 
 def _norms(tensors: list[Tensor]) -> Tensor:

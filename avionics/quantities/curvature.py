@@ -9,13 +9,17 @@ backpropagate loss-Hessian-root columns through the forward graph of
 the protocol has no other way to keep it (``create_graph=True`` implies ``retain_graph``); what
 that costs is in BENCHMARKS.md.
 
-With h the curvature diagonal of the mean loss (selectable, see
-:mod:`avionics.curvature.step`: ``"diag_h"`` exact Hessian diagonal (default),
-``"diag_ggn_exact"``, ``"diag_ggn_mc"`` seedable) and m2_d = mean_n g_{n,d}^2:
+With h the curvature diagonal of the mean loss over the batch, also when the user's loss is
+their sum (selectable, see :mod:`avionics.curvature.step`: ``"diag_h"`` exact Hessian diagonal
+(default), ``"diag_ggn_exact"``, ``"diag_ggn_mc"`` seedable) and m2_d = mean_n g_{n,d}^2, g_n
+the gradient of the per-sample loss l_n:
 
     HessTrace = per parameter sum_d h_d
     TICDiag   = sum_d m2_d / (h_d + eps),                eps = 1e-7
     TICTrace  = (sum_d m2_d) / (sum_d h_d + eps)
+
+(For a sum-reduced loss, the Hessian of the user's loss is N times that of the mean: HessMaxEV,
+which follows the user's reduction, is then on N times HessTrace's scale.)
 
 HessTrace and TICTrace read only the sums of h per parameter. When no TICDiag with the same
 settings runs at the step, only those sums are computed: for the GGN diagonals they come from
@@ -38,6 +42,7 @@ from avionics.curvature.step.hessian_diagonal import (
     not_piecewise_linear,
 )
 from avionics.persample import Request
+from avionics.quantities.arguments import checked_int, checked_seed
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.outputs import per_parameter
 from avionics.schedules import Schedule
@@ -64,15 +69,18 @@ def _graph_grads(quantity: Quantity, data: StepData) -> list[Tensor]:
 
 
 class _Curvature(Quantity):
-    """Shared: the curvature diagonal h of the mean loss, computed once per step.
+    """Shared: the curvature diagonal h of the mean loss over the batch (also for a
+    sum-reduced loss), computed once per step.
 
     Args:
         schedule: the steps to track (default every step).
         curvature: ``"diag_h"`` (exact Hessian diagonal), ``"diag_ggn_exact"`` or
             ``"diag_ggn_mc"`` (see :mod:`avionics.curvature.step`).
-        mc_samples: draws per step of the MC GGN diagonal.
-        seed: the MC draws' seed (with the step number; the global RNG is untouched).
-        max_probes: the most Hessian-vector products the exact Hessian diagonal may take.
+        mc_samples: draws per step of the MC GGN diagonal, >= 1.
+        seed: the MC draws' seed (with the step number; the global RNG is untouched), in
+            [0, 2**32).
+        max_probes: the most Hessian-vector products the exact Hessian diagonal may take,
+            >= 1.
     """
 
     info_keys = PER_SAMPLE_KEYS
@@ -93,10 +101,18 @@ class _Curvature(Quantity):
                 f"{self.name}(curvature={curvature!r}): choose one of "
                 f"{', '.join(map(repr, VARIANTS))}."
             )
-        if int(mc_samples) < 1:
-            raise ValueError(f"{self.name}(mc_samples={mc_samples}) must be >= 1.")
-        self.curvature, self.mc_samples, self.seed = curvature, int(mc_samples), int(seed)
-        self.max_probes = int(max_probes)
+        self.curvature = curvature
+        self.mc_samples = checked_int(
+            self.name, "mc_samples", mc_samples, 1, "draws per step of the MC GGN diagonal"
+        )
+        self.seed = checked_seed(self.name, seed)
+        self.max_probes = checked_int(
+            self.name,
+            "max_probes",
+            max_probes,
+            1,
+            "the most Hessian-vector products of the exact Hessian diagonal",
+        )
 
     # HessTrace needs the captured calls only; TICDiag and TICTrace also sum_n g_{n,d}^2
     needs_sum_sq = True
@@ -133,7 +149,8 @@ class _Curvature(Quantity):
         return entry
 
     def diagonal(self, data: StepData) -> list[Tensor]:
-        """The curvature diagonal h of the mean loss, one tensor per parameter."""
+        """The curvature diagonal h of the mean loss over the batch, one tensor per
+        parameter."""
         return self._cached(data, diagonal=True)["h"]
 
     def diagonal_sums(self, data: StepData) -> Tensor:
@@ -157,16 +174,10 @@ class _Curvature(Quantity):
                         f"in each weight: {', '.join(bad[:8])}. Use curvature='diag_ggn_exact' "
                         "or 'diag_ggn_mc' (both work for it), or raise max_probes."
                     )
-                scale = 1.0 / data.batch_size if data.reduction == "sum" else 1.0
-                grads = _graph_grads(self, data)
-                h = hessian_diagonal_by_probes(grads, data.tracked, scale)
+                h = self._probed_diagonal(data)
                 return [d.sum() for d in h] if traces else h
             variant = "diag_ggn_exact"  # equal for piecewise-linear networks
-        if losses.grad_fn is None:
-            raise RuntimeError(
-                f"{self.name} backpropagates through info['individual_losses'], which has no "
-                "graph: pass the per-sample losses the loss was computed from (not detached)."
-            )
+        # (the cockpit has checked on entering the step that the per-sample losses have a graph)
         generator = None
         if variant == "diag_ggn_mc":
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + data.step)
@@ -181,10 +192,26 @@ class _Curvature(Quantity):
             traces=traces,
         )
 
+    def _probed_diagonal(self, data: StepData) -> list[Tensor]:
+        """The exact Hessian diagonal of the mean loss by probes, over the parameters whose
+        gradient carries a graph; 0 for the others (a gradient without a graph is constant
+        in the parameters, e.g. where the loss does not depend on them)."""
+        scale = 1.0 / data.batch_size if data.reduction == "sum" else 1.0
+        grads = _graph_grads(self, data)
+        kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
+        probed = hessian_diagonal_by_probes(
+            [grads[k] for k in kept], [data.tracked[k] for k in kept], scale
+        )
+        h = [torch.zeros_like(p) for p in data.params]
+        for k, d in zip(kept, probed, strict=True):
+            h[k] = d
+        return h
+
 
 class HessTrace(_Curvature):
-    """Per parameter, the sum of the curvature diagonal h of the mean loss (the Hessian trace
-    for ``curvature="diag_h"``); globally their sum."""
+    """Per parameter, the sum of the curvature diagonal h of the mean loss over the batch (the
+    Hessian trace for ``curvature="diag_h"``), also for a sum-reduced loss; globally their
+    sum."""
 
     needs_sum_sq = False
     output = per_parameter("sum")
@@ -195,14 +222,15 @@ class HessTrace(_Curvature):
 
 class TICDiag(_Curvature):
     """Takeuchi information criterion with the diagonal approximation:
-    sum_d (mean_n g_{n,d}^2) / (h_d + eps)."""
+    sum_d (mean_n g_{n,d}^2) / (h_d + eps), g_n the gradients of the per-sample losses and h
+    the curvature diagonal of their mean (also for a sum-reduced loss)."""
 
     needs_diagonal = True
 
     def compute(self, data: StepData):
         h, s = self.diagonal(data), data.statistics.sum_sq
         total = sum(
-            torch.dot(d.add(self.eps).reciprocal_().reshape(-1), q.reshape(-1))
+            torch.dot(d.add(self.eps).reciprocal_().reshape(-1), q.reshape(-1)).double()
             for q, d in zip(s, h, strict=True)
         )
         return {data.step: total / data.batch_size}
@@ -210,9 +238,10 @@ class TICDiag(_Curvature):
 
 class TICTrace(_Curvature):
     """Takeuchi information criterion with the trace approximation:
-    (sum_d mean_n g_{n,d}^2) / (sum_d h_d + eps)."""
+    (sum_d mean_n g_{n,d}^2) / (sum_d h_d + eps), g_n the gradients of the per-sample losses
+    and h the curvature diagonal of their mean (also for a sum-reduced loss)."""
 
     def compute(self, data: StepData):
         s = data.statistics.sum_sq
-        m2 = sum(q.sum() for q in s) / data.batch_size
-        return {data.step: m2 / (self.diagonal_sums(data).sum() + self.eps)}
+        m2 = sum(q.sum().double() for q in s) / data.batch_size
+        return {data.step: m2 / (self.diagonal_sums(data).sum().double() + self.eps)}

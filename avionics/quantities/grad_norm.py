@@ -1,12 +1,14 @@
-"""GradNorm: ||g^(k)|| per parameter k, g = mean_n g_n; the global norm is their RSS."""
+"""GradNorm: ||g^(k)|| per parameter k, g = mean_n g_n the gradient of the mean loss over the
+batch (also for a sum-reduced loss, whose gradient is N g); the global norm is their RSS."""
 
 from avionics.quantities.base import Quantity, StepData, per_parameter_norms
 from avionics.quantities.outputs import per_parameter
 
 
 class GradNorm(Quantity):
-    """Per parameter k, ||g^(k)|| with g = mean_n g_n the mini-batch gradient; the global
-    norm ||g|| = sqrt(sum_k ||g^(k)||^2)."""
+    """Per parameter k, ||g^(k)|| with g = mean_n g_n the gradient of the mean loss over the
+    batch (``p.grad / N`` for a sum-reduced loss); the global norm ||g|| =
+    sqrt(sum_k ||g^(k)||^2)."""
 
     output = per_parameter("rss")
 

@@ -7,7 +7,13 @@ With per-sample gradients g_n, their mean g and N samples (sums over all tracked
     OrthoTest = sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) )
 
 computed from ||g_n||^2 and g_n . g alone, since sum_n ||g_n - g||^2 = sum_n ||g_n||^2 - N||g||^2
-and ||g_n - (g_n.g/||g||^2) g||^2 = ||g_n||^2 - (g_n . g)^2 / ||g||^2.
+and ||g_n - (g_n.g/||g||^2) g||^2 = ||g_n||^2 - (g_n . g)^2 / ||g||^2. g_n is the gradient of
+the per-sample loss l_n and g the gradient of the mean loss over the batch; the tests are ratios,
+the same for a mean- or a sum-reduced loss.
+
+The [N] statistics and ||g||^2 are combined in float64: in float32, ||g||^4 and (g_n . g)^2
+overflow once ||g|| exceeds a few times 1e9. A zero mean gradient leaves the tests undefined: they
+store nan, with a warning (once per quantity).
 """
 
 from __future__ import annotations
@@ -27,6 +33,10 @@ class _GradientTest(Quantity):
 
     info_keys = PER_SAMPLE_KEYS
 
+    def __init__(self, schedule=None):
+        super().__init__(schedule)
+        self._warned_zero_gradient = False
+
     def request(self, step: int) -> Request:
         return Request(sq_norms=True, directions=frozenset({"grad"}))
 
@@ -38,15 +48,24 @@ class _GradientTest(Quantity):
             )
             return {data.step: torch.tensor(float("nan"))}
         stats = data.statistics
-        sq_norms = sum(stats.sq_norms)  # ||g_n||^2, [N]
-        projections = sum(stats.projections["grad"])  # g_n . g, [N]
-        g_sq = global_norm_squared(data.mean_grad)  # ||g||^2
+        sq_norms = sum(stats.sq_norms).double()  # ||g_n||^2, [N]
+        projections = sum(stats.projections["grad"]).double()  # g_n . g, [N]
+        g_sq = global_norm_squared(data.mean_grad).double()  # ||g||^2
+        # (a host transfer per step only until the warning is given)
+        if not self._warned_zero_gradient and bool(g_sq == 0):
+            self._warned_zero_gradient = True
+            warnings.warn(
+                f"{self.name} at step {data.step}: the mean gradient is zero, so the test is "
+                "undefined (it divides by ||g||^2); stored nan. Warned once.",
+                stacklevel=2,
+            )
         return {data.step: self.statistic(sq_norms, projections, g_sq, n)}
 
 
 class NormTest(_GradientTest):
     """Norm test (Byrd et al. 2012): sqrt( sum_n ||g_n - g||^2 / ((N-1) N ||g||^2) ), the
-    relative standard error of the mini-batch gradient."""
+    relative standard error of the mini-batch gradient (of the mean loss over the batch; the
+    same for a sum-reduced loss); nan with a warning when g = 0."""
 
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):
@@ -55,7 +74,8 @@ class NormTest(_GradientTest):
 
 class InnerTest(_GradientTest):
     """Inner-product test (Bollapragada et al. 2018):
-    sqrt( sum_n (g_n . g - ||g||^2)^2 / ((N-1) N ||g||^4) )."""
+    sqrt( sum_n (g_n . g - ||g||^2)^2 / ((N-1) N ||g||^4) ), g the gradient of the mean loss
+    over the batch (the same for a sum-reduced loss); nan with a warning when g = 0."""
 
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):
@@ -64,7 +84,8 @@ class InnerTest(_GradientTest):
 
 class OrthoTest(_GradientTest):
     """Orthogonality test (Bollapragada et al. 2018):
-    sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) )."""
+    sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) ), g the gradient of the
+    mean loss over the batch (the same for a sum-reduced loss); nan with a warning when g = 0."""
 
     @staticmethod
     def statistic(sq_norms, projections, g_sq, n):

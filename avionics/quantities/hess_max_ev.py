@@ -1,4 +1,6 @@
-"""HessMaxEV: the largest algebraic eigenvalue of the mini-batch loss Hessian (SPEC section 2).
+"""HessMaxEV: the largest algebraic eigenvalue of the Hessian of the mini-batch loss as the user
+reduced it (SPEC section 2): of the mean loss for ``loss = losses.mean()``, of the sum (N times
+that) for ``loss = losses.sum()``.
 
 Lanczos (:func:`avionics.curvature.algorithms.top_eigenpairs`) on Hessian-vector products
 through the graph of the step's backward, so it sets ``create_graph = True``: pass
@@ -10,6 +12,7 @@ of the eigenvalue. It does not touch the global random number generator.
 
 from __future__ import annotations
 
+import math
 import warnings
 from itertools import accumulate
 
@@ -18,6 +21,7 @@ from torch import Tensor
 
 from avionics.curvature.algorithms.lanczos import BlockOperator, LanczosState, top_eigenpairs
 from avionics.curvature.step._autograd import NO_SECOND_DERIVATIVE
+from avionics.quantities.arguments import checked_int, checked_real, checked_seed
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.curvature import _graph_grads
 from avionics.schedules import Schedule
@@ -27,9 +31,11 @@ MAX_BASIS = 20
 
 
 class HessMaxEV(Quantity):
-    """The largest algebraic eigenvalue of the mini-batch (mean) loss Hessian: note, the most
-    positive eigenvalue, not the eigenvalue of largest magnitude (a Hessian with a large
-    negative eigenvalue still reports its most positive one).
+    """The largest algebraic eigenvalue of the Hessian of the loss as the user reduced it
+    (``info["loss"]``: the mean or the sum of the per-sample losses): note, the most positive
+    eigenvalue, not the eigenvalue of largest magnitude (a Hessian with a large negative
+    eigenvalue still reports its most positive one). For plain SGD on that loss, lr * HessMaxEV
+    above 2 means the step is unstable along the top eigenvector.
 
     Lanczos (:func:`~avionics.curvature.algorithms.top_eigenpairs` with the Kato-Temple
     stopping rule ``criterion="eigenvalue"``: min(r, GAP_SAFETY r^2 / gap) <= tol |theta|, r
@@ -43,6 +49,15 @@ class HessMaxEV(Quantity):
     A warm start follows the previous step's top eigenvector: if another eigenvector overtakes
     it within one step (the top two eigenvalues cross), a few products may not notice, and
     that step reports the one followed (within tol of an eigenvalue, not of the largest).
+
+    A step whose Hessian-vector products are not finite (NaN or infinite gradients) stores nan;
+    the next step starts afresh from the seeded random vector instead of that step's.
+
+    Args:
+        schedule: the steps to track (default every step).
+        tol: the relative accuracy of the eigenvalue, in [0, 1).
+        max_products: the most Hessian-vector products per step, >= 1.
+        seed: the seed of the first step's start vector, in [0, 2**32).
     """
 
     create_graph = True
@@ -55,7 +70,13 @@ class HessMaxEV(Quantity):
         seed: int = 0,
     ):
         super().__init__(schedule)
-        self.tol, self.max_products, self.seed = float(tol), int(max_products), int(seed)
+        self.tol = checked_real(
+            self.name, "tol", tol, "the relative accuracy of the eigenvalue", at_least=0, below=1
+        )
+        self.max_products = checked_int(
+            self.name, "max_products", max_products, 1, "Hessian-vector products per step"
+        )
+        self.seed = checked_seed(self.name, seed)
         self._lanczos = LanczosState()  # basis storage and the previous eigenpair
         self._warned = False
         self.num_products: dict[int, int] = {}
@@ -72,10 +93,11 @@ class HessMaxEV(Quantity):
             criterion="eigenvalue",
             state=self._lanczos,
         )
-        value = self._lanczos.eigenvalue  # float64, unlike result.values
-        if data.reduction == "sum":  # the graph is that of the sum: H_mean = H_sum / N
-            value = value / data.batch_size
         self.num_products[data.step] = result.num_products
+        # a non-finite product leaves no eigenpair in the state (the next step starts afresh)
+        value = self._lanczos.eigenvalue  # float64, unlike result.values
+        if value is None:
+            return {data.step: math.nan}
         if not result.converged and not self._warned:
             self._warned = True
             warnings.warn(

@@ -4,6 +4,8 @@
 * ``GradHist2d``: all pairs (g_{n,d}, theta_d); default 40 x 50 bins on [-1, 1] x [-2, 2];
   optionally one histogram per parameter as well.
 
+g_n is the gradient of the per-sample loss l_n, whether the user's loss is their mean or sum.
+
 Bins are those of ``numpy.histogram``: edges ``numpy.linspace(lo, hi, bins + 1)``, bin i holds
 [e_i, e_{i+1}) and the last bin also holds hi; values outside the range are clamped into the
 outer bins. Counts are accumulated on the gradients' device from the chunks the per-sample
@@ -15,18 +17,23 @@ that lies within rounding of an inner edge can land one bin off numpy's choice.
 Range adaptation (``adapt=GradAbsMax()`` or ``ParamAbsMax()``), as in the reference Cockpit
 tool: after each tracked step the range becomes [-m, m], m = (1 + padding) * max(min_size / 2,
 max |value|), the maximum over all g_{n,d} (GradAbsMax) or all theta_d (ParamAbsMax) of that
-step; it applies from the next tracked step on.
+step; it applies from the next tracked step on. A step whose maximum is not finite (NaN or
+infinite gradients or parameters) leaves the range as it was, with a warning.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+import warnings
+from numbers import Real
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from avionics.persample import OuterProducts, Request
+from avionics.quantities.arguments import checked_int, checked_real
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.binning import bin_index, count_1d, count_2d
 from avionics.quantities.outputs import HISTOGRAM_1D, HISTOGRAM_2D
@@ -40,14 +47,16 @@ class _AbsMax:
     source = ""
 
     def __init__(self, padding: float = 0.0, min_size: float = 1e-6):
-        if padding < 0 or min_size <= 0:
-            raise ValueError(
-                f"{type(self).__name__} needs padding >= 0 and min_size > 0; got "
-                f"padding={padding}, min_size={min_size}."
-            )
-        self.padding, self.min_size = float(padding), float(min_size)
+        owner = type(self).__name__
+        self.padding = checked_real(
+            owner, "padding", padding, "the range's margin, a fraction of m", at_least=0
+        )
+        self.min_size = checked_real(
+            owner, "min_size", min_size, "the smallest width of the range", above=0
+        )
 
     def limits(self, abs_max: float) -> tuple[float, float]:
+        """[-m, m], m = (1 + padding) max(min_size / 2, abs_max), for a finite abs_max."""
         end = (1.0 + self.padding) * max(self.min_size / 2, abs_max)
         return -end, end
 
@@ -67,22 +76,40 @@ class ParamAbsMax(_AbsMax):
     source = "param"
 
 
-def _checked_range(name: str, bins, limits) -> tuple[int, tuple[float, float]]:
-    if not isinstance(bins, int) or bins < 1:
-        raise ValueError(f"{name}: bins must be a positive integer, got {bins!r}.")
-    lo, hi = (float(v) for v in limits)
-    if not lo < hi:
-        raise ValueError(f"{name}: a range needs lower < upper, got ({lo}, {hi}).")
+def _checked_range(name: str, bins, limits, axis: str = "") -> tuple[int, tuple[float, float]]:
+    """(bins, (lower, upper)) of one axis: a positive number of bins and finite limits with
+    lower < upper; ``axis`` ("[0]", "[1]" for GradHist2d) says which element of the pairs."""
+    bins = checked_int(name, f"bins{axis}", bins, 1, "the number of bins")
+    valid = "a pair (lower, upper) of finite numbers with lower < upper, e.g. (-2.0, 2.0)"
+    if not (
+        isinstance(limits, (tuple, list))
+        and len(limits) == 2
+        and all(isinstance(v, Real) and not isinstance(v, bool) for v in limits)
+    ):
+        raise TypeError(f"{name}(range{axis}={limits!r}): range{axis} must be {valid}.")
+    lo, hi = float(limits[0]), float(limits[1])
+    if not (math.isfinite(lo) and math.isfinite(hi) and lo < hi):
+        raise ValueError(f"{name}(range{axis}={limits!r}): range{axis} must be {valid}.")
     return bins, (lo, hi)
 
 
 def _checked_adapt(name: str, adapt):
     if adapt is not None and not isinstance(adapt, _AbsMax):
         raise TypeError(
-            f"{name}(adapt=...) takes avionics.quantities.GradAbsMax(...) or "
-            f"ParamAbsMax(...) or None, got {adapt!r}."
+            f"{name}(adapt={adapt!r}): adapt takes avionics.quantities.GradAbsMax(...) or "
+            "ParamAbsMax(...) or None."
         )
     return adapt
+
+
+def _checked_pair(name: str, argument: str, value) -> tuple:
+    """``value`` as a pair (gradient axis, parameter axis)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(
+            f"{name}({argument}={value!r}): {argument} must be a pair (gradient axis, "
+            "parameter axis)."
+        )
+    return tuple(value)
 
 
 def _edges(bins: int, limits: tuple[float, float]) -> list[float]:
@@ -134,7 +161,8 @@ class _Histogram(Quantity):
 
 
 class GradHist1d(_Histogram):
-    """Histogram of all per-sample gradient elements g_{n,d}.
+    """Histogram of all per-sample gradient elements g_{n,d}, g_n the gradient of the
+    per-sample loss l_n (the same for a mean- or a sum-reduced loss).
 
     Args:
         schedule: the steps to track (default every step).
@@ -169,13 +197,14 @@ class GradHist1d(_Histogram):
             self._counts = torch.zeros(self.bins, dtype=torch.int64)
         value = {"hist": self._counts, "edges": _edges(self.bins, self._step_range)}
         if self.adapt is not None:
-            self.range = self.adapt.limits(_source_max(self.adapt, self._max, data))
+            self.range = _adapted(self.name, self.adapt, self._max, data, self.range)
         self._counts, self._max = None, None
         return {data.step: value}
 
 
 class GradHist2d(_Histogram):
-    """Joint histogram of (g_{n,d}, theta_d) over all samples n and coordinates d.
+    """Joint histogram of (g_{n,d}, theta_d) over all samples n and coordinates d, g_n the
+    gradient of the per-sample loss l_n (the same for a mean- or a sum-reduced loss).
 
     Args:
         schedule: the steps to track (default every step).
@@ -201,16 +230,23 @@ class GradHist2d(_Histogram):
         per_parameter: bool = False,
     ):
         super().__init__(schedule)
-        if len(bins) != 2 or len(range) != 2 or len(adapt) != 2:
-            raise ValueError(
-                f"{self.name} takes bins, range and adapt as pairs (gradient axis, parameter "
-                f"axis); got bins={bins!r}, range={range!r}, adapt={adapt!r}."
-            )
-        checked = [_checked_range(self.name, b, r) for b, r in zip(bins, range, strict=True)]
+        bins, range, adapt = (
+            _checked_pair(self.name, argument, value)
+            for argument, value in (("bins", bins), ("range", range), ("adapt", adapt))
+        )
+        checked = [
+            _checked_range(self.name, b, r, f"[{axis}]")
+            for axis, (b, r) in enumerate(zip(bins, range, strict=True))
+        ]
         self.bins = tuple(b for b, _ in checked)
         self.range = [r for _, r in checked]
         self.adapt = [_checked_adapt(self.name, a) for a in adapt]
-        self.per_parameter = bool(per_parameter)
+        if not isinstance(per_parameter, bool):
+            raise TypeError(
+                f"{self.name}(per_parameter={per_parameter!r}): per_parameter must be True or "
+                "False (whether to keep one histogram per parameter as well)."
+            )
+        self.per_parameter = per_parameter
         self._counts: list[Tensor | None] = []
         self._offsets: dict[int, Tensor] = {}
         self._track_max = any(a is not None and a.source == "grad" for a in self.adapt)
@@ -255,12 +291,31 @@ class GradHist2d(_Histogram):
             value["param_hist"] = per_param
         for axis, adapt in enumerate(self.adapt):
             if adapt is not None:
-                self.range[axis] = adapt.limits(_source_max(adapt, self._max, data))
+                self.range[axis] = _adapted(self.name, adapt, self._max, data, self.range[axis])
         self._counts, self._max, self._params, self._offsets = [], None, None, {}
         return {data.step: value}
 
 
-def _source_max(adapt: _AbsMax, grad_max: float | None, data: StepData) -> float:
+def _adapted(name: str, adapt: _AbsMax, grad_max, data: StepData, current) -> tuple:
+    """The range for the next tracked step: adapted to this step's maximum, or ``current``,
+    with a warning, when that maximum is not finite (a NaN or infinite range would spoil the
+    histograms of the finite steps after it)."""
+    abs_max = _source_max(adapt, grad_max, data)
+    if math.isfinite(abs_max):
+        return adapt.limits(abs_max)
+    what = "per-sample gradient element" if adapt.source == "grad" else "parameter"
+    warnings.warn(
+        f"{name} at step {data.step}: the largest |{what}| is {abs_max}, so {adapt!r} keeps "
+        f"the range {tuple(current)} for the next tracked step.",
+        stacklevel=3,
+    )
+    return current
+
+
+def _source_max(adapt: _AbsMax, grad_max: Tensor | None, data: StepData) -> float:
+    """max_{n,d} |g_{n,d}| (from the visited chunks) or max_d |theta_d| of the step; nan
+    when any of them is nan."""
     if adapt.source == "grad":
         return float(grad_max) if grad_max is not None else 0.0
-    return max((float(_abs_max(p)) for p in data.params if p.numel()), default=0.0)
+    maxima = [float(_abs_max(p)) for p in data.params if p.numel()]
+    return math.nan if any(map(math.isnan, maxima)) else max(maxima, default=0.0)

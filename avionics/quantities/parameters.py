@@ -5,7 +5,7 @@ from avionics.quantities.outputs import TENSORS
 
 
 class Parameters(Quantity):
-    """theta_t: a copy of every tracked parameter, in parameter order."""
+    """theta_t: a copy of every tracked parameter, in parameter order (no loss involved)."""
 
     output = TENSORS
 

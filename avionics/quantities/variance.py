@@ -1,15 +1,26 @@
 """Quantities built on the per-coordinate second moment of the per-sample gradients.
 
-With m2_d = mean_n g_{n,d}^2 (from sum_n g_{n,d}^2) and g_d = mean_n g_{n,d}:
+With m2_d = mean_n g_{n,d}^2 (from sum_n g_{n,d}^2) and g_d = mean_n g_{n,d}, g_n the gradient
+of the per-sample loss l_n:
 
     MeanGSNR      = mean_d g_d^2 / (m2_d - g_d^2 + eps),               eps = 1e-5
-    CABS          = lr * sum_d (m2_d - g_d^2) / L                      (plain SGD)
+    CABS          = lr * c^2 sum_d (m2_d - g_d^2) / L                  (plain SGD)
     EarlyStopping = 1 - N * mean_d g_d^2 / (s_d^2 + eps),              eps = 1e-5  (plain SGD)
 
 where s_d^2 = N (m2_d - g_d^2) / (N - 1) is the unbiased variance. MeanGSNR is the gradient
 signal-to-noise ratio of Liu et al. (2020); CABS the coupled adaptive batch size of Balles et
 al. (2017); EarlyStopping the evidence-based criterion of Mahsereci et al. (2017): stop when
 it is positive.
+
+MeanGSNR and EarlyStopping are the same for a mean- and a sum-reduced loss. CABS refers to the
+loss as the user reduced it, L = ``info["loss"]``, with the learning rate that SGD applies to
+its gradient: L is the mean of the terms c l_n (c = 1 for ``losses.mean()``, c = N for
+``losses.sum()``), whose gradients c g_n have the variance c^2 (m2_d - g_d^2). For a sum,
+SGD's step lr * N g is that of the mean loss with the learning rate N lr, so CABS is N times
+the mean-reduced value at the same lr (as in the reference Cockpit tool).
+
+The sums over the coordinates stay in the gradients' dtype (a float64 copy would be
+model-sized); what follows them is computed in float64.
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ import torch
 from avionics.persample import Request
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
-from avionics.quantities.plain_sgd import require_plain_sgd
+from avionics.quantities.plain_sgd import plain_sgd_learning_rate, require_plain_sgd
 
 
 def _flat(tensors) -> torch.Tensor:
@@ -46,43 +57,52 @@ class _SecondMoment(Quantity):
         return g_sq, variance
 
 
+class _PlainSGDOnly(_SecondMoment):
+    """Shared: defined for plain SGD only, which is checked on entering the step."""
+
+    info_keys = PER_SAMPLE_KEYS + ("optimizer",)
+
+    def validate(self, step: int, info: dict) -> None:
+        require_plain_sgd(self.name, info["optimizer"])
+
+
 class MeanGSNR(_SecondMoment):
     """Mean gradient signal-to-noise ratio (Liu et al. 2020):
-    mean_d g_d^2 / (m2_d - g_d^2 + eps), eps = 1e-5."""
+    mean_d g_d^2 / (m2_d - g_d^2 + eps), eps = 1e-5, from the gradients g_n of the per-sample
+    losses (the same for a mean- or a sum-reduced loss)."""
 
     eps = 1e-5
 
     def compute(self, data: StepData):
         g_sq, variance = self.moments(data)
-        return {data.step: g_sq.div_(variance.add_(self.eps)).mean()}
+        return {data.step: g_sq.div_(variance.add_(self.eps)).mean().double()}
 
 
-class CABS(_SecondMoment):
-    """Coupled adaptive batch size (Balles et al. 2017): lr * sum_d (m2_d - g_d^2) / L, the
-    suggested batch size; plain SGD only."""
-
-    info_keys = PER_SAMPLE_KEYS + ("optimizer",)
+class CABS(_PlainSGDOnly):
+    """Coupled adaptive batch size (Balles et al. 2017): lr * c^2 sum_d (m2_d - g_d^2) / L, the
+    suggested batch size, for the loss L as the user reduced it (c = 1 for the mean of the
+    per-sample losses, c = N for their sum: see the module docstring); plain SGD only."""
 
     def compute(self, data: StepData):
-        lr = require_plain_sgd(self.name, data.optimizer)
+        lr = plain_sgd_learning_rate(data.optimizer)
+        c = data.batch_size if data.reduction == "sum" else 1
         _, variance = self.moments(data)
-        return {data.step: lr * variance.sum() / data.loss}
+        return {data.step: lr * c**2 * variance.sum().double() / data.loss.double()}
 
 
-class EarlyStopping(_SecondMoment):
+class EarlyStopping(_PlainSGDOnly):
     """Evidence-based early-stopping criterion (Mahsereci et al. 2017):
-    1 - N * mean_d g_d^2 / (s_d^2 + eps), s_d^2 the unbiased variance, eps = 1e-5; stop when
-    it is positive. Plain SGD only."""
+    1 - N * mean_d g_d^2 / (s_d^2 + eps), s_d^2 the unbiased variance, eps = 1e-5, from the
+    gradients g_n of the per-sample losses (the same for a mean- or a sum-reduced loss); stop
+    when it is positive. Plain SGD only."""
 
-    info_keys = PER_SAMPLE_KEYS + ("optimizer",)
     eps = 1e-5
 
     def compute(self, data: StepData):
-        require_plain_sgd(self.name, data.optimizer)
         n = data.batch_size
         g_sq, variance = self.moments(data)
         if n > 1:
             unbiased = variance.mul_(n).div_(n - 1)
         else:
             unbiased = variance.fill_(float("nan"))
-        return {data.step: 1 - n * g_sq.div_(unbiased.add_(self.eps)).mean()}
+        return {data.step: 1 - n * g_sq.div_(unbiased.add_(self.eps)).mean().double()}

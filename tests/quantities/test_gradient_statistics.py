@@ -21,7 +21,7 @@ def run_and_reference(build, n, reduction, steps=3, lr=0.05):
         ref = gradient_quantities(model, X, y, loss_fn)
         ref["CABS"] = lr * ref["_variance_sum"] / float(loss_fn(model(X), y).mean().detach())
         if reduction == "sum":
-            ref["CABS"] /= n  # L is the sum-reduced loss
+            ref["CABS"] *= n  # SGD's step on the sum is that of the mean with lr * N
         references[step] = ref
         opt.zero_grad()
         losses = loss_fn(model(X), y)

@@ -1,5 +1,6 @@
 """HessMaxEV's Lanczos: both memory layouts (per leaf, flat), restarts, the storage's rows,
-leaves the Hessian does not reach, sum reduction; against eigvalsh of the dense Hessian."""
+leaves the Hessian does not reach, sum reduction (the Hessian of the sum: N times the mean's);
+against eigvalsh of the dense Hessian."""
 
 from __future__ import annotations
 
@@ -92,11 +93,11 @@ def _dense_with_unused(model, X, y, loss_fn):
     return dense
 
 
-def test_sum_reduction_reports_the_mean_loss_hessian(layout):
+def test_sum_reduction_reports_the_sum_loss_hessian(layout):
     model, X, y, loss_fn = ARCHITECTURES["mlp"]()
     q = HessMaxEV(max_products=400)
     (out,) = _run(model, X, y, loss_fn, [q], reduction="sum")
-    assert out["HessMaxEV"] == pytest.approx(_top(model, X, y, loss_fn), rel=1e-3)
+    assert out["HessMaxEV"] == pytest.approx(len(X) * _top(model, X, y, loss_fn), rel=1e-3)
 
 
 def test_float64_and_a_negative_definite_operator(layout):

@@ -30,10 +30,15 @@ A :class:`LanczosState` keeps the basis storage and the last extreme eigenpair b
 (a warm start: a start vector close to the wanted eigenvector needs about two products); a
 :class:`BlockOperator` gives its product in parts (e.g. per parameter), which are projected
 and orthogonalised where they are, without a flat copy.
+
+A product with a NaN or infinite entry ends the iteration: the result's values are nan (not
+converged), and a state keeps no eigenpair, so that its next call starts afresh, as it does
+from a kept eigenvector that is not finite.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -180,7 +185,8 @@ def top_eigenpairs(
     max_basis: Krylov basis size before a thick restart (default max(50, 3k), at most D).
     state: a :class:`LanczosState` whose storage holds the basis and which keeps the top
         eigenpair for the next call's warm start.
-    Values are returned largest first.
+    Values are returned largest first; all nan (``converged`` False, the state keeping no
+    eigenpair) when a product is not finite.
     """
     return _lanczos_extreme(
         A, k, "LA", tol, max_products, v0, max_basis, seed, generator, criterion, state
@@ -251,10 +257,14 @@ def _lanczos_extreme(
         storage[start] = _unit_start_vector(v0, D, dtype, device)
     elif not warm:
         storage[start] = random_unit_vector()
-    _renormalise(storage[start])
+    if not _renormalise(storage[start]):  # a kept eigenvector that is not finite
+        storage[start] = random_unit_vector()
 
     lanczos = _Lanczos(op, storage, start, k, which, max_basis, random_unit_vector)
-    theta, Y, nb, residuals, converged = lanczos.run(tol, criterion == "eigenvalue", max_products)
+    found = lanczos.run(tol, criterion == "eigenvalue", max_products)
+    if found is None:
+        return _not_finite(D, k, dtype, device, lanczos.products)
+    theta, Y, nb, residuals, converged = found
     wanted = _wanted(nb, min(k, nb), which)
     X = _ritz_vectors(storage[start : start + nb], Y, wanted, storage[start + nb :])
     state.start, state.eigenvalue = start + nb, float(theta[wanted[0]])
@@ -282,12 +292,28 @@ def _unit_start_vector(v0, D: int, dtype, device) -> Tensor:
     return v / v.norm()
 
 
-def _renormalise(v: Tensor) -> None:
+def _renormalise(v: Tensor) -> bool:
     """Divide the unit start vector by its norm again where float rounding (large D, or the
-    previous call's Ritz vector) left that norm off by more than UNIT_NORM_TOL."""
+    previous call's Ritz vector) left that norm off by more than UNIT_NORM_TOL; False (and
+    ``v`` untouched) when the norm is not finite."""
     norm = float(v.norm())
+    if not math.isfinite(norm):
+        return False
     if abs(norm - 1.0) > UNIT_NORM_TOL:
         v.div_(norm)
+    return True
+
+
+def _not_finite(D: int, k: int, dtype, device, products: int) -> EigenResult:
+    """The result of an iteration that met a product that is not finite: nan throughout."""
+    nan = torch.full((k,), torch.nan, dtype=dtype)
+    return EigenResult(
+        values=nan.to(device),
+        vectors=torch.full((D, k), torch.nan, dtype=dtype, device=device),
+        num_products=products,
+        converged=False,
+        residual_norms=nan,
+    )
 
 
 class _Lanczos:
@@ -306,7 +332,8 @@ class _Lanczos:
 
     def run(self, tol: float, eigenvalue_bound: bool, max_products: int):
         """Lanczos steps until the stopping rule, the budget or an exhausted space (nb = D);
-        returns (theta, Y, nb, residual norms of the wanted pairs, converged)."""
+        returns (theta, Y, nb, residual norms of the wanted pairs, converged), or None at a
+        product that is not finite."""
         T, storage, start, slices = self.T, self.storage, self.start, self.op.slices
         nb, anorm = 1, 0.0
         while True:
@@ -322,6 +349,8 @@ class _Lanczos:
                 numbers = _project(hv, V, slices, squared=nb > 1)
             h = numbers[:-1]
             values = numbers.tolist()
+            if not all(map(math.isfinite, values)):  # V^T Av and ||Av||^2 see any nan or inf
+                return None
             T[:nb, nb - 1] = T[nb - 1, :nb] = values[:-1]
             squared = values[-1]
             beta2 = squared - float(T[:nb, nb - 1] @ T[:nb, nb - 1])  # ||Av - V V^T Av||^2
