@@ -110,7 +110,7 @@ def test_unreadable_lines_are_noted_but_do_not_fail(run, capsys):
     assert main(["diagnose", str(run)]) == 0
     captured = capsys.readouterr()
     assert "note: 1 line(s)" in captured.err and "truncated last line" in captured.err
-    assert "1 line(s) of the log could not be read" in captured.out
+    assert "1 problem(s) reading the log" in captured.out
 
 
 def test_demo_refuses_to_overwrite(tmp_path, capsys):

@@ -121,6 +121,55 @@ def test_gradient_noise_suggests_a_batch_size():
     assert "gradient_noise" not in checks(run_of(NormTest=[3.0] * 20 + [0.5] * 20))
 
 
+def test_gradient_noise_uses_the_smoothed_noise_scale_when_the_run_has_it():
+    size_32 = {**SGD, "batch_size": 32}
+    noise_scale = [10.0] * 25 + [500.0] * 15
+    finding = only(
+        run_of(metadata=size_32, NormTest=lambda s: 0.5, GradientNoiseScale=noise_scale),
+        "gradient_noise",
+    )
+    assert finding.title == (
+        "Gradient noise dominates: the gradient noise scale suggests a batch size of about 500 "
+        "(now 32)"
+    )
+    assert (
+        "smoothed gradient noise scale B_simple = tr(Sigma) / |G|^2 = 500.0 at step 39, above "
+        "the batch size 32 since step 25" in finding.evidence
+    )
+    assert "estimate of the critical batch size" in finding.evidence
+    assert finding.step == 25
+    assert "a batch size of about 500" in finding.advice
+    # below the batch size: no finding, though the norm test alone would make one
+    quiet = run_of(metadata=size_32, NormTest=lambda s: 2.0, GradientNoiseScale=lambda s: 20.0)
+    assert "gradient_noise" not in checks(quiet)
+
+
+def test_a_negative_noise_scale_says_the_gradient_is_not_resolved():
+    run = run_of(metadata={**SGD, "batch_size": 32}, GradientNoiseScale=lambda s: -40.0)
+    finding = only(run, "gradient_noise")
+    assert finding.title.endswith("suggests a much larger batch size (now 32)")
+    assert "= -40.0 at step 39, negative" in finding.evidence
+    assert "the gradient is not resolved from the noise" in finding.evidence
+    assert finding.step == 0
+
+
+def test_gradient_noise_falls_back_to_the_norm_test():
+    """Without the batch size, or with fewer than 3 noise-scale values, B_simple cannot be
+    compared to the batch: the norm test decides."""
+    unknown_size = only(
+        run_of(NormTest=lambda s: 2.0, GradientNoiseScale=lambda s: 500.0), "gradient_noise"
+    )
+    assert unknown_size.title.startswith("Gradient noise dominates: the norm test suggests")
+    assert "norm test median 2.00" in unknown_size.evidence
+    few = [500.0, 500.0] + [None] * 38
+    run = run_of(
+        metadata={**SGD, "batch_size": 32}, NormTest=lambda s: 2.0, GradientNoiseScale=few
+    )
+    assert only(run, "gradient_noise").title.endswith(
+        "norm test suggests a batch size of about 128 (now 32)"
+    )
+
+
 def test_batch_size_logged_at_steps_wins_over_metadata():
     run = run_of(
         metadata={**SGD, "batch_size": 32}, NormTest=lambda s: 2.0, batch_size=lambda s: 64
@@ -186,7 +235,7 @@ def test_report_lists_unchecked_groups_and_unreadable_lines():
     run.problems.append("line 7: not valid JSON; ignored")
     text = report(run)
     assert "Not checked, no data: step size (alpha) (needs Alpha);" in text
-    assert "1 line(s) of the log could not be read:\n  line 7: not valid JSON" in text
+    assert "1 problem(s) reading the log:\n  line 7: not valid JSON" in text
 
 
 def test_findings_are_ordered_by_the_step_where_they_began():

@@ -1,6 +1,6 @@
-"""The secondary screen: MeanGSNR, CABS and EarlyStopping vs step, the 2d
-gradient/parameter histogram of every parameter, and a generic panel for each of your own
-quantities (:mod:`avionics.dashboard.generic`)."""
+"""The secondary screen: MeanGSNR, CABS, EarlyStopping and the gradient noise scale vs step,
+the 2d gradient/parameter histogram of every parameter, and a generic panel for each of your
+own quantities (:mod:`avionics.dashboard.generic`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,16 @@ from matplotlib.figure import Figure
 from avionics.dashboard.figure import FORMATS, group_frame, save
 from avionics.dashboard.generic import generic_panel, own_quantities
 from avionics.dashboard.gradients import hist2d_panel
-from avionics.dashboard.style import BLUE, ORANGE, empty_panel, series_plot, style_panel
+from avionics.dashboard.style import (
+    BLUE,
+    GREY,
+    ORANGE,
+    STEP,
+    empty_panel,
+    series_plot,
+    style_panel,
+)
+from avionics.diagnosis.evidence import batch_size
 from avionics.records.reader import as_run
 from avionics.records.series import latest, parameter_histograms, series
 
@@ -34,6 +43,24 @@ def series_panel(fig, spec, run, name: str, title: str, ylabel: str) -> Axes:
     series_plot(ax, steps, values, name)
     if name == "EarlyStopping":
         ax.axhline(0, color="red", lw=1, ls="--", label="stop above this line")
+    ax.legend(loc="best", fontsize="small")
+    return ax
+
+
+def noise_scale_panel(fig, spec, run) -> Axes:
+    """The smoothed gradient noise scale B_simple (GradientNoiseScale, the critical batch size
+    of McCandlish et al. 2018) vs step on a log scale (symlog where a value is not positive),
+    with the batch size in use as a dashed line when the run records it."""
+    ax = fig.add_subplot(spec)
+    title, ylabel = "Gradient noise scale", r"smoothed $B_{\mathrm{simple}}$"
+    steps, values = series(run, "GradientNoiseScale")
+    if len(steps) == 0:
+        return empty_panel(ax, title, STEP, ylabel, "GradientNoiseScale")
+    style_panel(ax, title, STEP, ylabel)
+    series_plot(ax, steps, values, "smoothed noise scale", smooth=False, yscale="log")
+    size = batch_size(run)
+    if size:
+        ax.axhline(size, color=GREY, lw=1.5, ls="--", label=f"batch size ({size})")
     ax.legend(loc="best", fontsize="small")
     return ax
 
@@ -77,10 +104,11 @@ def plot_secondary(source, path: str | os.PathLike | None = None) -> Figure:
     )
     group_frame(fig, outer[0], "AUXILIARY", BLUE)
     top = outer[0].subgridspec(
-        3, 5, height_ratios=[0.15, 1, 0.25], width_ratios=[0.02, 1, 1, 1, 0.02], wspace=0.3
+        3, 6, height_ratios=[0.15, 1, 0.25], width_ratios=[0.02, 1, 1, 1, 1, 0.02], wspace=0.3
     )
     for column, (name, title, ylabel) in enumerate(SERIES):
         series_panel(fig, top[1, column + 1], run, name, title, ylabel)
+    noise_scale_panel(fig, top[1, len(SERIES) + 1], run)
 
     group_frame(fig, outer[1], "PER PARAMETER", ORANGE)
     if not per_parameter:

@@ -30,7 +30,7 @@ CHECKS = (
 NEEDS = {
     "step size (alpha)": ("Alpha",),
     "edge of stability": ("HessMaxEV",),
-    "gradient noise and batch size": ("NormTest",),
+    "gradient noise and batch size": ("NormTest", "GradientNoiseScale"),
     "CABS batch size": ("CABS",),
     "early stopping": ("EarlyStopping",),
     "loss and gradient-norm spikes": ("Loss", "GradNorm"),
@@ -70,7 +70,7 @@ def report(source, findings: list[Finding] | None = None) -> str:
             + "."
         )
     if run.problems:
-        lines.append(f"{len(run.problems)} line(s) of the log could not be read:")
+        lines.append(f"{len(run.problems)} problem(s) reading the log:")
         lines += [f"  {problem}" for problem in run.problems[:10]]
     return "\n".join(lines)
 

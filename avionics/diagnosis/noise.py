@@ -1,4 +1,5 @@
-"""Findings from gradient noise: batch size (norm test, CABS) and early stopping."""
+"""Findings from gradient noise: batch size (gradient noise scale, norm test, CABS) and early
+stopping."""
 
 from __future__ import annotations
 
@@ -10,16 +11,65 @@ from avionics.diagnosis.finding import Finding
 NORM_TEST_THRESHOLD = 1.0  # theta of the norm test: noise norm at most the gradient norm
 CABS_FACTOR = 2.0  # CABS must differ from the batch size by this factor to be a finding
 RECENT = 5
+MIN_STEPS = 3  # tracked steps a batch-size finding needs
 
 
 def gradient_noise(run) -> Finding | None:
+    """The mini-batch gradient's noise larger than the gradient, with the batch size that
+    would fix it: from the smoothed gradient noise scale when the run has it and its batch
+    size is known, else from the norm test."""
+    _, noise_scale = finite_series(run, "GradientNoiseScale")
+    if len(noise_scale) >= MIN_STEPS and batch_size(run):
+        return _noise_scale_finding(run)
+    return _norm_test_finding(run)
+
+
+def _noise_scale_finding(run) -> Finding | None:
+    """The smoothed simple noise scale B_simple = tr(Sigma) / |G|^2 (GradientNoiseScale, the
+    critical batch size of McCandlish et al. 2018) above theta^2 B at the latest tracked step,
+    B the batch size: the noise of the mini-batch gradient, tr(Sigma) / B, is then larger
+    than theta^2 times the squared gradient |G|^2 (the norm test's criterion with the true
+    gradient). The advice is a batch of about B_simple. A negative B_simple (a negative
+    smoothed |G|^2 estimate) means the gradient is lost in the noise: a finding, without a
+    size."""
+    steps, noise_scale = finite_series(run, "GradientNoiseScale")
+    size = batch_size(run)
+    noisy = (noise_scale < 0) | (noise_scale > NORM_TEST_THRESHOLD**2 * size)
+    if not noisy[-1]:
+        return None
+    quiet = np.flatnonzero(~noisy)
+    since = int(steps[quiet[-1] + 1]) if len(quiet) else int(steps[0])
+    level = float(noise_scale[-1])
+    if level > 0:
+        suggestion = f"a batch size of about {int(np.ceil(level))} (now {size})"
+        relation = f"above the batch size {size}"
+    else:
+        suggestion = f"a much larger batch size (now {size})"
+        relation = "negative (its smoothed |G|^2 is: the gradient is not resolved from the noise)"
+    return Finding(
+        check="gradient_noise",
+        title="Gradient noise dominates: the gradient noise scale suggests " + suggestion,
+        evidence=f"smoothed gradient noise scale B_simple = tr(Sigma) / |G|^2 = {level:.1f} at "
+        f"step {steps[-1]}, {relation} since step {since} (B_simple is McCandlish et al. "
+        "2018's estimate of the critical batch size; above the batch size, the mini-batch "
+        "gradient's noise is larger than the gradient itself).",
+        advice=f"use {suggestion}, or average gradients over more samples (accumulation): up "
+        "to the critical batch size, the steps needed fall almost in proportion to the batch "
+        "size; alternatively lower the learning rate to average the noise over more steps.",
+        step=since,
+    )
+
+
+def _norm_test_finding(run) -> Finding | None:
     """The norm test above 1 over the latest half of the run: the noise in the mini-batch
     gradient is larger than the gradient. The batch size that would bring it to 1 is
-    B * test^2, since the test falls as 1 / sqrt(B)."""
+    B * test^2, since the test falls as 1 / sqrt(B). It is tr(S) / ||g||^2, with the
+    mini-batch gradient's ||g||^2 = |G|^2 + tr(S) / B in place of |G|^2: B_simple / (1 +
+    B_simple / B), close to the gradient noise scale B_simple only where the test is << 1."""
     steps, test = finite_series(run, "NormTest")
-    if len(test) < 3:
+    if len(test) < MIN_STEPS:
         return None
-    recent = latest_part(test, 0.5, 3)
+    recent = latest_part(test, 0.5, MIN_STEPS)
     level = float(np.median(recent))
     if level <= NORM_TEST_THRESHOLD:
         return None

@@ -12,6 +12,12 @@ from avionics.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
 from avionics.quantities.hess_max_ev import HessMaxEV
 from avionics.quantities.histograms import GradAbsMax, GradHist1d, GradHist2d, ParamAbsMax
 from avionics.quantities.loss import Loss
+from avionics.quantities.noise_scale import (
+    GradCovTrace,
+    GradientNoiseScale,
+    SimpleNoiseScale,
+    TrueGradSqNorm,
+)
 from avionics.quantities.outputs import (
     HISTOGRAM_1D,
     HISTOGRAM_2D,
@@ -29,9 +35,11 @@ BUILTIN = (
     CABS,
     Distance,
     EarlyStopping,
+    GradCovTrace,
     GradHist1d,
     GradHist2d,
     GradNorm,
+    GradientNoiseScale,
     HessMaxEV,
     HessTrace,
     InnerTest,
@@ -40,9 +48,11 @@ BUILTIN = (
     NormTest,
     OrthoTest,
     Parameters,
+    SimpleNoiseScale,
     TICDiag,
     TICTrace,
     Time,
+    TrueGradSqNorm,
     UpdateSize,
 )
 # How the values of the built-in quantities read, for logs whose metadata does not say
@@ -57,9 +67,11 @@ __all__ = [
     "Distance",
     "EarlyStopping",
     "GradAbsMax",
+    "GradCovTrace",
     "GradHist1d",
     "GradHist2d",
     "GradNorm",
+    "GradientNoiseScale",
     "HISTOGRAM_1D",
     "HISTOGRAM_2D",
     "HessMaxEV",
@@ -75,12 +87,14 @@ __all__ = [
     "Quantity",
     "Request",
     "SCALAR",
+    "SimpleNoiseScale",
     "Statistics",
     "StepData",
     "TENSORS",
     "TICDiag",
     "TICTrace",
     "Time",
+    "TrueGradSqNorm",
     "TwoStepQuantity",
     "UpdateSize",
     "per_parameter",

@@ -1,4 +1,5 @@
-"""The secondary screen: MeanGSNR, CABS, EarlyStopping and one 2d histogram per parameter."""
+"""The secondary screen: MeanGSNR, CABS, EarlyStopping, the gradient noise scale and one 2d
+histogram per parameter."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ SERIES = (
     "Mean gradient signal-to-noise ratio",
     "CABS batch-size suggestion",
     "Early-stopping criterion",
+    "Gradient noise scale",
 )
 
 
@@ -53,3 +55,21 @@ def test_run_without_its_quantities_draws_empty_labelled_panels():
     for title in SERIES + ("Gradient/parameter histogram per parameter",):
         assert any(t.get_text().startswith("no data") for t in found[title].texts), title
         assert found[title].get_xlabel() and found[title].get_ylabel()
+
+
+def test_noise_scale_panel_draws_the_smoothed_values_against_the_batch_size():
+    run = synthetic_run(20)
+    for step, values in run.steps.items():
+        values["GradientNoiseScale"] = 10.0 * 1.3**step
+    ax = titles(plot_secondary(run))["Gradient noise scale"]
+    steps, values = series(run, "GradientNoiseScale")
+    np.testing.assert_allclose(ax.collections[0].get_offsets(), np.column_stack([steps, values]))
+    assert ax.get_yscale() == "log" and ax.get_xlabel() == "step"
+    assert ax.get_lines() == []  # the batch size is not known: no reference line
+
+    run.metadata["batch_size"] = 32
+    ax = titles(plot_secondary(run))["Gradient noise scale"]
+    (line,) = ax.get_lines()
+    assert line.get_label() == "batch size (32)" and list(line.get_ydata()) == [32, 32]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["smoothed noise scale", "batch size (32)"]
