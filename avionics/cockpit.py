@@ -24,12 +24,14 @@ import math
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from avionics.configurations import configuration
+from avionics.distributed import all_processes, current_world, sum_over_processes, unwrap
 from avionics.persample import PerSampleEngine, Request
 from avionics.persample.step import factorable
 from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
@@ -62,6 +64,15 @@ class Cockpit:
         first_step: the number of the first step the loop will run, when it is known (a run
             resumed at step k); by default the capture is armed for whichever step comes
             first.
+
+    Data parallelism (torch.distributed initialised with several processes, ``model`` plain
+    or wrapped in ``DistributedDataParallel``): every value is that of the global batch, the
+    concatenation of the processes' batches, and equal on every process (see
+    :mod:`avionics.distributed`). Every process must run the same steps. The log and the sinks
+    receive the values on rank 0 only; a ``log`` path holding ``{rank}`` gives each process its
+    own log (and its sinks the values). Under DDP, a step that differentiates the gradient again
+    runs its forward and backward in ``no_sync()``, and the cockpit averages the gradients as
+    DDP would, in one all-reduce.
     """
 
     def __init__(
@@ -93,10 +104,15 @@ class Cockpit:
 
             if exist not in EXIST_MODES:
                 raise ValueError(f"exist must be one of {EXIST_MODES}, got {exist!r}.")
+        model, self._ddp = unwrap(model)
+        _refuse_sharded(model)
+        self._world = current_world()
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = _tracked_parameters(model, params)
         self._engine = PerSampleEngine(model, self.params)
+        self._no_sync = None  # DDP's no_sync() context, entered for a step that needs it
+        self._ddp_average: list[Tensor] | None = None
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
         self._unconverted: list[tuple[int, str]] = []
         self._capture = None
@@ -105,10 +121,14 @@ class Cockpit:
         self._restored = False  # whether load_state_dict ran
         self._closed = False
         metadata = self._metadata()
+        per_rank = log is not None and "{rank}" in str(log)
+        if not per_rank and self._world.rank != 0:
+            log, sinks = None, []  # rank 0 writes what every process computes
         if log is not None:
             from avionics.records import RunWriter
 
-            writer = RunWriter(log, metadata=metadata, exist=exist, fsync=fsync)
+            path = str(log).format(rank=self._world.rank) if per_rank else log
+            writer = RunWriter(path, metadata=metadata, exist=exist, fsync=fsync)
         for sink in sinks:
             sink.update_metadata(metadata)
         if log is not None:
@@ -117,6 +137,7 @@ class Cockpit:
         self._sinks = sinks
         if first_step is None:
             self._arm_if(any(type(q).request is not Quantity.request for q in quantities))
+            self._sync_if(not any(q.create_graph for q in quantities))
         else:
             self._arm_for(first_step)
 
@@ -147,7 +168,8 @@ class Cockpit:
         for q in active:
             request = request | q.request(step)
         reduction, n = self._validate(step, info, active)
-        finite = bool(torch.isfinite(info["loss"].detach()))
+        batch = self._global_batch(info["loss"].detach(), reduction, n)
+        finite = batch.finite
         if finite:
             _check_loss_graphs(step, info, active, self._capture, self.model)
         # nothing has changed up to here; from here on the step owns the capture
@@ -156,13 +178,14 @@ class Cockpit:
             capture.disarm()
         if request and finite and (capture is None or not capture.calls):
             active, request = self._without_per_sample(step, active)
-        gradients: list[Tensor | None] = [None] * len(self.params)
+        gradients: list[Tensor | None] = [None] * len(self.params)  # this process's
         handles = []
         if request and finite:
             capture.record_gradients()
-            handles = [
-                p.register_hook(_store_into(gradients, k)) for k, p in enumerate(self.params)
-            ]
+        if (request and finite) or self._world.size > 1:
+            # DDP may overwrite the tensor its hook saw with the average: keep a copy
+            keep = _store_copy_into if self._ddp is not None else _store_into
+            handles = [p.register_hook(keep(gradients, k)) for k, p in enumerate(self.params)]
         with self._interruptible(step, capture):
             try:
                 yield self
@@ -177,19 +200,21 @@ class Cockpit:
                 if request and not capture.calls_by_module():
                     active, request = self._without_per_sample(step, active)
                 values = self._compute(
-                    step, info, active, request, capture, gradients, reduction, n
+                    step, info, active, request, capture, gradients, reduction, batch
                 )
             else:
+                self._drop_pending()  # their ends would come two updates later
                 warnings.warn(
-                    f"Step {step}: the loss is {float(info['loss'].detach())}; recorded it and "
+                    f"Step {step}: the loss is {float(batch.loss)}; recorded it and "
                     "skipped the other quantities at this step.",
                     stacklevel=3,
                 )
-                values = {step: {Loss.__name__: info["loss"]}}
+                values = {step: {Loss.__name__: batch.loss}}
         except BaseException:
             self._drop_pending()
             raise
         finally:
+            self._average_unsynced_gradients(gradients, batch)
             self._finish(step, capture)
         self._store(values)
 
@@ -253,6 +278,7 @@ class Cockpit:
             self._capture = None
         for sink in self._sinks:
             sink.close()
+        self._sync_if(True)
         self._closed = True
 
     # ------------------------------------------------------------------ internals
@@ -361,6 +387,7 @@ class Cockpit:
 
     def _arm_for(self, step: int) -> None:
         self._arm_if(self._needs_capture(step))
+        self._sync_if(not self.create_graph(step))
 
     def _arm_if(self, needed: bool) -> None:
         self._disarm()
@@ -384,9 +411,10 @@ class Cockpit:
         if not isinstance(loss, Tensor) or loss.numel() != 1:
             raise TypeError(f"info['loss'] must be a scalar tensor, got {loss!r}.")
         optimizer = info.get("optimizer")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        if optimizer is not None and not callable(getattr(optimizer, "step", None)):
             raise TypeError(
-                f"info['optimizer'] must be the torch.optim.Optimizer that takes the step, got "
+                "info['optimizer'] must be the optimizer that takes the step (a "
+                f"torch.optim.Optimizer, or an object with a step() method), got "
                 f"{type(optimizer).__name__}."
             )
         n = info.get("batch_size")
@@ -421,31 +449,32 @@ class Cockpit:
             q.validate(step, info)
         return reduction, n
 
-    def _describe_training(self, info: dict, n: int | None) -> None:
+    def _describe_training(self, info: dict, batch: _Batch) -> None:
         """Add the optimizer and batch size to the metadata, once they are known."""
         from avionics.records.metadata import describe_optimizer
 
         optimizer = info.get("optimizer")
         if optimizer is not None:
-            update = {"optimizer": describe_optimizer(optimizer), "batch_size": n}
+            update = {"optimizer": describe_optimizer(optimizer), "batch_size": batch.size}
+            if self._world.size > 1:
+                update["batch_sizes"] = list(batch.sizes)
             for sink in self._sinks:
                 sink.update_metadata(update)
             self._described_training = True
 
-    def _compute(self, step, info, active, request, capture, gradients, reduction, n):
+    def _compute(self, step, info, active, request, capture, gradients, reduction, batch):
         """The values of the step's active quantities, {step they belong to: {name: value}}."""
+        n, local_n = batch.size, batch.sizes[self._world.rank]
         if self._sinks and not self._described_training:
-            self._describe_training(info, n)
-        grads = [
-            p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params
-        ]
+            self._describe_training(info, batch)
+        grads = self._global_gradients(gradients, reduction, batch)
         mean_grad = grads if reduction == "mean" or n is None else [g / n for g in grads]
         losses = info.get("individual_losses")
         data = StepData(
             step=step,
             params=[p.detach() for p in self.params],
             names=self.param_names,
-            loss=info["loss"].detach(),
+            loss=batch.loss,
             info=info,
             reduction=reduction,
             batch_size=n,
@@ -456,12 +485,14 @@ class Cockpit:
             tracked=self.params,
             model=self.model,
             active=tuple(active),
+            world=self._world,
+            batch_sizes=batch.sizes,
         )
         if request:
             # a mean-reduced loss backpropagates dl_n/dout / N: the factor N undoes that
-            factor = n if reduction == "mean" else 1
+            factor = local_n if reduction == "mean" else 1
             data.captured = self._engine.step(
-                capture.calls_by_module(), n, factor, gradients=gradients
+                capture.calls_by_module(), local_n, factor, gradients=gradients
             )
         directions = {"grad": mean_grad}
         for q in active:
@@ -473,6 +504,7 @@ class Cockpit:
                 # keep only the rules that mean_gradient_factors reuses: the others hold
                 # scaled copies of the step's output gradients
                 data.captured.release_rules(keep=factorable)
+            data.totals = self._add_over_processes({q.name: q.sums(data) for q in active})
             for q in active:
                 for s, value in q.compute(data).items():
                     values[s][q.name] = value
@@ -480,6 +512,96 @@ class Cockpit:
             if data.captured is not None:
                 data.captured.release_rules()  # what quantities keep of it is theirs
         return values
+
+    # ------------------------------------------------------------------ data parallelism
+    def _global_batch(self, loss: Tensor, reduction: str, n: int | None) -> _Batch:
+        """The step's loss, batch size and finiteness over every process (one collective of
+        two numbers per process when there are several)."""
+        world = self._world
+        if world.size == 1:
+            return _Batch(loss, n, (n,), bool(torch.isfinite(loss)))
+        mine = torch.tensor([float(n or 1), float(loss)], dtype=torch.float64)
+        sizes, losses = all_processes(mine, world).unbind(1)
+        total = int(sizes.sum())
+        if reduction == "mean":  # the mean over all samples: sum_r N_r L_r / N
+            global_loss = (sizes * losses).sum() / total
+        else:
+            global_loss = losses.sum()
+        return _Batch(
+            global_loss.to(loss),
+            total if n is not None else None,
+            tuple(int(s) for s in sizes.tolist()),
+            bool(torch.isfinite(losses).all()),
+        )
+
+    def _global_gradients(self, gradients, reduction: str, batch: _Batch) -> list[Tensor]:
+        """The gradient of the global loss (as reduced), per tracked parameter.
+
+        One process: ``p.grad``. Under DDP with equal batches, DDP's average of the
+        processes' gradients is the global mean's. Otherwise the processes' gradient sums
+        sum_n grad l_n are added (one all-reduce of the parameters' size; with the average
+        that DDP would have made packed in, when this step ran in no_sync)."""
+        world = self._world
+        if world.size == 1:
+            return [
+                p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params
+            ]
+        local = [
+            g if g is not None else torch.zeros_like(p) for g, p in zip(gradients, self.params)
+        ]
+        if self._ddp is not None and self._no_sync is None and len(set(batch.sizes)) == 1:
+            averaged = [p.grad.detach() for p in self.params]
+            return averaged if reduction == "mean" else [g * world.size for g in averaged]
+        weight = batch.sizes[world.rank] if reduction == "mean" else 1
+        sums = [g * weight for g in local]
+        if self._ddp is not None and self._no_sync is not None:
+            *sums, self._ddp_average = _split(
+                sum_over_processes(sums + [torch.cat([g.reshape(-1) for g in local])], world),
+                self.params,
+            )
+        else:
+            sums = sum_over_processes(sums, world)
+        total = batch.size or sum(batch.sizes)
+        return [s / total for s in sums] if reduction == "mean" else sums
+
+    def _average_unsynced_gradients(self, gradients, batch: _Batch) -> None:
+        """A step run in DDP's no_sync(): give each parameter the gradient DDP would have,
+        the average over the processes of theirs."""
+        if self._ddp is None or self._no_sync is None:
+            return
+        average = self._ddp_average
+        if average is None:
+            local = [
+                g if g is not None else torch.zeros_like(p) for g, p in zip(gradients, self.params)
+            ]
+            average = sum_over_processes(local, self._world)
+        else:
+            average = list(average)
+        self._ddp_average = None
+        for p, g in zip(self.params, average):
+            p.grad = (g / self._world.size).to(p.dtype).detach()
+
+    def _add_over_processes(self, sums: dict[str, dict[str, Tensor]]):
+        """The quantities' sums added over the processes, in one packed all-reduce."""
+        if self._world.size == 1:
+            return sums
+        keys = [(q, name) for q, named in sums.items() for name in named]
+        totals = sum_over_processes([sums[q][name] for q, name in keys], self._world)
+        out: dict[str, dict[str, Tensor]] = {q: {} for q in sums}
+        for (q, name), total in zip(keys, totals):
+            out[q][name] = total
+        return out
+
+    def _sync_if(self, sync: bool) -> None:
+        """Under DDP: leave or enter no_sync() for the next step's forward and backward."""
+        if self._ddp is None:
+            return
+        if sync and self._no_sync is not None:
+            self._no_sync.__exit__(None, None, None)
+            self._no_sync = None
+        elif not sync and self._no_sync is None:
+            self._no_sync = self._ddp.no_sync()
+            self._no_sync.__enter__()
 
     def _store(self, values: dict[int, dict[str, Any]]) -> None:
         """Keep a step's values and hand them to the sinks, converted once.
@@ -513,7 +635,47 @@ class Cockpit:
             "parameters": {name: list(p.shape) for name, p in zip(self.param_names, self.params)},
             "quantities": [q.describe() for q in self.quantities],
             "outputs": {q.name: q.output.describe() for q in self.quantities},
+            "world_size": self._world.size,
         }
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """The step's batch over every process: the loss as reduced, N (None when unknown), N_r
+    per process, and whether every process's loss is finite."""
+
+    loss: Tensor
+    size: int | None
+    sizes: tuple
+    finite: bool
+
+
+def _split(flat: list[Tensor], params) -> list:
+    """[*per-parameter tensors, per-parameter views of the last (flat) tensor]."""
+    *head, packed = flat
+    return [
+        *head,
+        [t.view_as(p) for t, p in zip(packed.split([p.numel() for p in params]), params)],
+    ]
+
+
+def _refuse_sharded(model: nn.Module) -> None:
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:  # torch built without distributed
+        return
+    sharded = [
+        name or "the model"
+        for name, m in model.named_modules()
+        if isinstance(m, FSDPModule | FullyShardedDataParallel)
+    ]
+    if sharded:
+        raise TypeError(
+            f"Cockpit: {sharded[0]} is sharded by FSDP, whose parameters each process holds "
+            "only a shard of; the cockpit's quantities need every parameter whole. Track the "
+            "model under DistributedDataParallel instead (every quantity is the global "
+            "batch's there)."
+        )
 
 
 def _is_step(step) -> bool:
@@ -666,5 +828,12 @@ def _reduction(loss: Tensor, losses: Tensor) -> str:
 def _store_into(slots: list, k: int):
     def store(grad):
         slots[k] = grad.detach()
+
+    return store
+
+
+def _store_copy_into(slots: list, k: int):
+    def store(grad):
+        slots[k] = grad.detach().clone()
 
     return store

@@ -131,7 +131,7 @@ def step_records(tmp_path):
 @pytest.mark.parametrize(
     "update, error, match",
     [
-        ({"optimizer": "sgd"}, TypeError, r"info\['optimizer'\] must be .*Optimizer.*str"),
+        ({"optimizer": "sgd"}, TypeError, r"info\['optimizer'\] must be .*step\(\) method.*str"),
         ({"batch_size": "4"}, TypeError, r"info\['batch_size'\] must be .*'4' \(str\)"),
         ({"batch_size": 0}, TypeError, r"info\['batch_size'\] must be .*positive"),
     ],

@@ -11,9 +11,19 @@ cockpit calls in this order:
 2. ``prepare(data) -> {name: direction}``, after the backward and before the per-sample
    statistics are computed: start-of-step work, and the tensors (one per parameter) of the
    directions it named in its request.
-3. ``compute(data) -> {step: value}``: values keyed by the step they belong to (usually
+3. ``sums(data) -> {name: tensor}``: the sums over the process's samples that ``compute``
+   needs (sum_n ||g_n||^2, histogram counts, ...). Under data parallelism the cockpit adds
+   every quantity's sums over the processes in one packed ``all_reduce``; ``compute`` reads the
+   totals in ``data.totals[name]`` (with one process, the sums themselves). A quantity whose
+   value needs only the step's loss, gradient and parameters (global already) has no sums.
+4. ``compute(data) -> {step: value}``: values keyed by the step they belong to (usually
    ``{data.step: value}``; a two-step quantity stores under its start step, see
    :class:`TwoStepQuantity`).
+
+Under data parallelism (:mod:`avionics.distributed`) every value is that of the global batch,
+the concatenation of the processes' batches: ``loss``, ``grads``, ``mean_grad`` and
+``batch_size`` in :class:`StepData` are global; ``individual_losses``, ``statistics``,
+``graph_grads`` and ``captured`` are this process's.
 
 Each class declares its ``output`` (:mod:`avionics.quantities.outputs`): how the run log's
 readers, the exports and the dashboard read its value.
@@ -27,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
 from avionics.quantities.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
@@ -47,8 +58,9 @@ class StepData:
         loss: the loss the user backpropagated (detached).
         info: the ``info`` dict passed to ``cockpit(step, info)``.
         reduction: ``"mean"`` or ``"sum"``: how ``loss`` relates to the per-sample losses.
-        batch_size: N (None when neither per-sample losses nor a batch size were given).
-        individual_losses: the per-sample losses l_n (detached), or None.
+        batch_size: N, of the global batch (None when neither per-sample losses nor a batch
+            size were given).
+        individual_losses: the per-sample losses l_n (detached) of this process, or None.
         grads: ``p.grad`` of each tracked parameter (zeros where none arrived), detached.
         mean_grad: g = mean_n g_n (= ``p.grad`` for a mean-reduced loss, ``p.grad / N`` for
             a sum).
@@ -65,6 +77,10 @@ class StepData:
             as it is used.
         curvature_diagonals: the curvature diagonals computed at this step, keyed by the
             settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
+        world: the processes the batch is split over (:data:`~avionics.distributed.SINGLE`
+            without data parallelism).
+        batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
+        totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
     """
 
     step: int
@@ -84,11 +100,28 @@ class StepData:
     statistics: Statistics | None = None
     captured: CapturedStep | None = None
     curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
+    world: World = SINGLE
+    batch_sizes: tuple[int, ...] = ()
+    totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
     def optimizer(self):
         return self.info.get("optimizer")
+
+    @property
+    def share(self) -> float:
+        """w_r: this process's loss times w_r, summed over the processes, is the global loss
+        (N_r / N for a mean, 1 for a sum). Products of the step's graph (Hessian-vector
+        products) are global as :meth:`sum_over_processes` of w_r times the local ones."""
+        if self.world.size == 1 or self.reduction == "sum":
+            return 1.0
+        return self.batch_sizes[self.world.rank] / self.batch_size
+
+    def sum_over_processes(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` added over the processes (one collective; the tensors themselves with
+        one process). Every process must call it, in the same order."""
+        return sum_over_processes(tensors, self.world)
 
     def params_copy(self) -> list[Tensor]:
         """A copy of theta_t (``params`` before the update), made once per step and shared.
@@ -159,6 +192,11 @@ class Quantity:
         Called at every step the quantity is active, after the backward and before the
         per-sample statistics are computed (visitors are called after it).
         """
+        return {}
+
+    def sums(self, data: StepData) -> dict[str, Tensor]:
+        """This process's sums over its samples that :meth:`compute` reads back, added over
+        the processes, from ``data.totals[self.name]`` (see the module's description)."""
         return {}
 
     def compute(self, data: StepData) -> dict[int, Any]:
