@@ -9,6 +9,8 @@ loss is
 (B_b the batch size, N the number of data), which is the mean (sum) of the per-sample losses
 over the whole data set. Every operator on (1) is the w_b-weighted sum of its per-batch
 matrices; subclasses implement the product of one batch's matrix, :meth:`_matmat_batch`.
+When the data set is sharded across torch.distributed processes, the sum runs over this
+process's batches and one all_reduce adds the processes' sums (:mod:`._distributed`).
 
 Each pass over the data runs with PyTorch's math kernel for ``scaled_dot_product_attention``,
 whose double backward exists (the default fused CPU kernels have none), and without the fused
@@ -28,7 +30,9 @@ from torch.func import functional_call, grad_and_value, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
+from avionics.curvature._distributed import data_world, sum_on_every_process
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.distributed import unwrap
 
 ModelFunction = Callable[..., Tensor]
 ColumnProduct = Callable[[list[Tensor]], list[Tensor]]
@@ -173,10 +177,20 @@ def _relative_difference(a: list[Tensor], b: list[Tensor]) -> float:
 class ModelDataOperator(CurvatureLinearOperator):
     """A curvature operator of a model (and loss) over a data set of (X, y) batches.
 
+    Data sharded across torch.distributed processes (``distributed``): each process passes
+    its shard of the data set as ``data``, in the same call on every process, and the operator
+    is that of the whole data set, the same on every process. N is the size of the whole data
+    set (each process counts its shard at construction, one all_reduce adds the counts), so
+    the batches are weighted by B_b / N of the whole data set (1 for "sum"); a product sums
+    the processes' shares by one all_reduce of all its columns. The determinism check runs on
+    every process over its own shard. Any error on one process is raised on all of them.
+
     Args:
-        model: An ``nn.Module`` called as ``model(X)``, or a function ``model(params, X)``
-            where ``params`` has the container type of the ``params`` argument (a dict of
-            name -> tensor, or a list of tensors).
+        model: An ``nn.Module`` called as ``model(X)`` (one wrapped in
+            ``DistributedDataParallel`` is unwrapped: its ``.module`` is used, and parameter
+            names are those of ``model.module``), or a function ``model(params, X)`` where
+            ``params`` has the container type of the ``params`` argument (a dict of name ->
+            tensor, or a list of tensors).
         loss_fn: A loss module ``loss_fn(output, y) -> scalar`` with ``reduction`` "mean" or
             "sum"; ``None`` for operators of the model alone (Jacobians).
         params: The parameters: ``None`` (all of the module's parameters that require grad),
@@ -186,11 +200,17 @@ class ModelDataOperator(CurvatureLinearOperator):
             dict-like batch that the model takes (then ``batch_size_fn`` is required).
         num_data: N, the number of samples in ``data`` (a positive int: it saves the counting
             pass); counted with one pass when ``None``. Every pass over the data checks it.
+            For sharded data it is the size of the whole data set, and the shards are counted
+            anyway (a given num_data must equal their total).
         batch_size_fn: ``batch_size_fn(X) -> int`` for dict-like batches.
         check_deterministic: Run two passes and refuse a model or data that differ between
             them (dropout, train-mode BatchNorm with shuffling, drop_last, augmentation).
         progressbar: Show a tqdm progress bar over the batches of each pass.
         chunk_size: At most this many columns of a matrix are multiplied at once.
+        distributed: Whether ``data`` is this process's shard of a data set sharded across
+            torch.distributed processes: ``None`` (default) when torch.distributed is
+            initialised with more than one process, ``True`` (it must be initialised),
+            ``False`` for this process's data alone (no communication).
     """
 
     SELF_ADJOINT = True
@@ -209,8 +229,12 @@ class ModelDataOperator(CurvatureLinearOperator):
         check_deterministic: bool = True,
         progressbar: bool = False,
         chunk_size: int | None = 32,
+        distributed: bool | None = None,
     ):
         owner = type(self).__name__
+        if isinstance(model, nn.Module):
+            # a forward through DistributedDataParallel would start its own collectives
+            model, _ = unwrap(model)
         self._model = model
         self._loss_fn = loss_fn
         self._param_names, self._params, self._params_container = _resolve_params(model, params)
@@ -236,12 +260,14 @@ class ModelDataOperator(CurvatureLinearOperator):
             )
         if chunk_size is not None:
             check_positive_int(chunk_size, "chunk_size", owner, CHUNK_SIZE_INSTEAD)
-        self._check_data(data, batch_size_fn, dtype)
+        self._world = data_world(distributed, owner)
         self._data = data
         self._batch_size_fn = batch_size_fn if batch_size_fn is not None else _leading_size
         self._progressbar = progressbar
         self._chunk_size = chunk_size
-        self.num_data = self._count_samples() if num_data is None else num_data
+        self.num_data, self._shard_size, self._first_batch = self._count_data(
+            num_data, batch_size_fn, dtype, device
+        )
         super().__init__(self._in_shapes(), self._out_shapes(), dtype, device)
         if check_deterministic:
             self._check_deterministic()
@@ -293,40 +319,110 @@ class ModelDataOperator(CurvatureLinearOperator):
             return tqdm(self._data, desc=f"{type(self).__name__}: {desc}")
         return self._data
 
-    def _count_samples(self) -> int:
-        """N, the number of samples in the batches of one pass over the data."""
-        return sum(self._batch_size(X) for X, _ in self._with_progress("counting data"))
+    def _batch_sizes(self) -> list[int]:
+        """B_b of every batch of one pass over this process's data."""
+        return [self._batch_size(X) for X, _ in self._with_progress("counting data")]
+
+    def _count_data(
+        self, num_data: int | None, batch_size_fn, dtype: torch.dtype, device: torch.device
+    ) -> tuple[int, int, int]:
+        """(N, the number of samples in this process's data, the index of its first batch in
+        the data set), after checking the data (:meth:`_check_data`).
+
+        One process: N is ``num_data``, or counted with one pass when None. Sharded data: each
+        process counts its shard, and one all_reduce of every process's (samples, batches) in
+        its own slot gives each process all the shards' sizes; N is their total, which a
+        given ``num_data`` must equal.
+        """
+        if self._world.size == 1:
+            self._check_data(self._data, batch_size_fn, dtype)
+            N = sum(self._batch_sizes()) if num_data is None else num_data
+            return N, N, 0
+
+        def count_shard() -> list[Tensor]:
+            self._check_data(self._data, batch_size_fn, dtype)
+            sizes = self._batch_sizes()
+            counts = torch.tensor([sum(sizes), len(sizes)], dtype=torch.float64, device=device)
+            return [self._world.slots(counts)]
+
+        (counts,) = self._sum_over_processes(
+            count_shard, [(self._world.size, 2)], "counting of the data", device
+        )
+        samples, batches = counts.long().T.tolist()
+        if num_data is not None and num_data != sum(samples):
+            raise ValueError(
+                f"{type(self).__name__}: num_data={num_data} is the number of samples in the "
+                f"whole data set, but the shards of data on the {self._world.size} processes "
+                f"hold {samples} samples, {sum(samples)} in all: pass num_data={sum(samples)}, "
+                "or None (sharded data is counted anyway)."
+            )
+        rank = self._world.rank
+        return sum(samples), samples[rank], sum(batches[:rank])
+
+    def _sum_over_processes(
+        self,
+        compute: Callable[[], list[Tensor]],
+        shapes: Sequence[Sequence[int]],
+        what: str,
+        device: torch.device | None = None,
+    ) -> list[Tensor]:
+        """``compute()`` (tensors of ``shapes``) summed over the processes that share the data
+        set, by one all_reduce, with every process raising when one of them raises
+        (:func:`~avionics.curvature._distributed.sum_on_every_process`); with one process,
+        ``compute()`` itself."""
+        return sum_on_every_process(
+            compute, shapes, self._world, device or self.device, type(self).__name__, what
+        )
 
     def _batches(self, desc: str) -> Iterator[Batch]:
         """The batches of one pass over the data set, on the operator's device.
 
-        Every pass checks that the batches hold num_data samples: the weights w_b of (1) and
-        the output space of the Jacobians depend on it. A pass with more samples stops before
-        the batch that goes beyond num_data (the rest are counted, not yielded), one with
-        fewer after its last batch, with an error that gives both numbers.
+        Every pass checks that the batches hold num_data samples (for sharded data: the
+        samples of this process's shard when it was counted): the weights w_b of (1) and the
+        output space of the Jacobians depend on it. A pass with more samples stops before the
+        batch that goes beyond that number (the rest are counted, not yielded), one with fewer
+        after its last batch, with an error that gives both numbers.
         """
         device = self._params[0].device
         batches = iter(self._with_progress(desc))
         seen = 0
         for X, y in batches:
             seen += self._batch_size(X)
-            if seen > self.num_data:
+            if seen > self._shard_size:
                 seen += sum(self._batch_size(X) for X, _ in batches)
                 break
             if isinstance(X, Tensor):
                 X = X.to(device)
             yield X, y.to(device) if isinstance(y, Tensor) else y
-        if seen != self.num_data:
-            raise ValueError(
-                f"{type(self).__name__} was made for num_data={self.num_data} samples, but a "
-                f"pass over data gave {seen}: pass num_data={seen} (or None to count them). "
-                "num_data is the size of data itself (the curvature of a subsample normalised "
-                "by a larger set's size is neither its mean nor its sum), and data must hold "
-                "the same samples on every pass."
+        if seen != self._shard_size:
+            raise ValueError(self._pass_size_message(seen))
+
+    def _pass_size_message(self, seen: int) -> str:
+        """What is wrong when a pass over the data gave ``seen`` samples, not the counted."""
+        if self._world.size > 1:
+            return (
+                f"{type(self).__name__} was made for num_data={self.num_data} samples over "
+                f"{self._world.size} processes, {self._shard_size} of them in the data of this "
+                f"process (rank {self._world.rank}), but a pass over its data gave {seen}: data "
+                "must hold the same samples on every pass (a sampler that reshuffles the "
+                "shards between passes, or drop_last with shuffling, changes them)."
             )
+        return (
+            f"{type(self).__name__} was made for num_data={self.num_data} samples, but a "
+            f"pass over data gave {seen}: pass num_data={seen} (or None to count them). "
+            "num_data is the size of data itself (the curvature of a subsample normalised "
+            "by a larger set's size is neither its mean nor its sum), and data must hold "
+            "the same samples on every pass."
+        )
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        """sum_b w_b A_b M over the batches (equation (1))."""
+        """sum_b w_b A_b M over the batches of the data set (equation (1)): for sharded data
+        the processes' sums over their own batches, added by one all_reduce."""
+        shapes = [(len(M[0]), *s) for s in self.out_shapes]
+        return self._sum_over_processes(lambda: self._local_matmat(M), shapes, "matrix product")
+
+    def _local_matmat(self, M: list[Tensor]) -> list[Tensor]:
+        """sum_b w_b A_b M over the batches of this process's data."""
         AM = None
         with functional_pass():
             for X, y in self._batches("matrix product"):
@@ -365,7 +461,16 @@ class ModelDataOperator(CurvatureLinearOperator):
             return self._column_product(X, y)(v)
 
     def loss_and_gradient(self) -> tuple[Tensor, list[Tensor]]:
-        """The data-set loss (1) and its gradient w.r.t. the parameters."""
+        """The data-set loss (1) and its gradient w.r.t. the parameters (for sharded data, of
+        the whole data set: one all_reduce)."""
+        shapes = [(), *(p.shape for p in self._params)]
+        loss, *gradient = self._sum_over_processes(
+            self._local_loss_and_gradient, shapes, "loss and gradient"
+        )
+        return loss, gradient
+
+    def _local_loss_and_gradient(self) -> list[Tensor]:
+        """[sum_b w_b L_b, its gradient tensors] over the batches of this process's data."""
         loss = torch.zeros((), dtype=self.dtype, device=self.device)
         gradient = [torch.zeros_like(p) for p in self._params]
         with functional_pass():
@@ -375,10 +480,10 @@ class ModelDataOperator(CurvatureLinearOperator):
                 loss.add_(value.detach(), alpha=weight)
                 for total, g_p in zip(gradient, g):
                     total.add_(g_p, alpha=weight)
-        return loss, gradient
+        return [loss, *gradient]
 
     def _outputs(self) -> list[Tensor]:
-        """The model outputs of every batch, in data order."""
+        """The model outputs of every batch of this process's data, in data order."""
         with functional_pass():
             return [self._output(self._params, X) for X, _ in self._batches("outputs")]
 
@@ -398,7 +503,10 @@ class ModelDataOperator(CurvatureLinearOperator):
             )
         first = next(iter(data), None)
         if first is None:
-            raise ValueError(f"{type(self).__name__} got an empty data set.")
+            empty = "data set"
+            if self._world.size > 1:
+                empty = "shard of the data set (every process needs one batch or more)"
+            raise ValueError(f"{type(self).__name__} got an empty {empty}.")
         check_batch(first, dtype, type(self).__name__)
         if batch_size_fn is not None and not callable(batch_size_fn):
             raise TypeError(
@@ -412,12 +520,35 @@ class ModelDataOperator(CurvatureLinearOperator):
             )
 
     def _check_deterministic(self) -> None:
-        """Two passes over the data must agree; so must two products with the same vector."""
+        """Two passes over the data must agree; so must two products with the same vector.
+
+        For sharded data every process compares its own passes over its shard; the products
+        are of the whole data set, the same on every process.
+        """
         hint = (
             "Put the model in eval mode (dropout, BatchNorm), don't use drop_last with "
             "shuffling, turn off random augmentation; or pass check_deterministic=False if you "
             "know the difference is harmless."
         )
+
+        def passes_agree() -> list[Tensor]:
+            self._check_passes_agree(hint)
+            return []
+
+        self._sum_over_processes(passes_agree, [], "determinism check")
+        generator = torch.Generator().manual_seed(0)
+        v = torch.rand(self.shape[1], generator=generator, dtype=self.dtype).to(self.device)
+        difference = _relative_difference([self @ v], [self @ v])
+        if difference > DETERMINISM_RTOL:
+            raise RuntimeError(
+                f"{type(self).__name__}: two products with the same vector differ (relative "
+                f"difference {difference:.2e}). {hint}"
+            )
+
+    def _check_passes_agree(self, hint: str) -> None:
+        """Two passes over this process's data give the same model outputs (operators that
+        need the same batch order) or loss and gradient; else a RuntimeError ending in
+        ``hint``."""
         if self._loss_fn is None or self.FIXED_DATA_ORDER:
             first, second = self._outputs(), self._outputs()
             if len(first) != len(second) or any(a.shape != b.shape for a, b in zip(first, second)):
@@ -427,23 +558,12 @@ class ModelDataOperator(CurvatureLinearOperator):
                 )
             what, difference = "model outputs", _relative_difference(first, second)
         else:
-            (loss1, grad1), (loss2, grad2) = self.loss_and_gradient(), self.loss_and_gradient()
-            what, difference = (
-                "loss and gradient",
-                _relative_difference([loss1, *grad1], [loss2, *grad2]),
-            )
+            first, second = self._local_loss_and_gradient(), self._local_loss_and_gradient()
+            what, difference = "loss and gradient", _relative_difference(first, second)
         if difference > DETERMINISM_RTOL:
             raise RuntimeError(
                 f"{type(self).__name__}: the {what} differ between two passes over the data "
                 f"(relative difference {difference:.2e}). {hint}"
-            )
-        generator = torch.Generator().manual_seed(0)
-        v = torch.rand(self.shape[1], generator=generator, dtype=self.dtype).to(self.device)
-        difference = _relative_difference([self @ v], [self @ v])
-        if difference > DETERMINISM_RTOL:
-            raise RuntimeError(
-                f"{type(self).__name__}: two products with the same vector differ (relative "
-                f"difference {difference:.2e}). {hint}"
             )
 
 

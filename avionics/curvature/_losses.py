@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 from torch.func import grad, vjp
@@ -92,6 +93,20 @@ def output_hessian_product(loss_fn: nn.Module, output: Tensor, y: Tensor) -> Out
     # Any other loss: reverse-over-reverse through d L / df, the first backward shared.
     _, hessian_product = vjp(grad(lambda f: loss_fn(f, y)), output)
     return lambda u: hessian_product(u)[0]
+
+
+def batch_generator(seed: int, batch_index: int, device: torch.device) -> torch.Generator:
+    """The generator of the draws for batch ``batch_index`` of the data set (batches counted
+    in data order; for data sharded across processes, over the shards in rank order).
+
+    Seeded from (seed, batch_index) by NumPy's ``SeedSequence``, which gives independent
+    streams for distinct entropy: every batch has its own stream, the same on every pass and
+    whichever process holds the batch, so the draws of a data set do not depend on how it is
+    sharded.
+    """
+    entropy = [seed % 2**64, batch_index]  # SeedSequence takes non-negative integers
+    state = np.random.SeedSequence(entropy).generate_state(1, np.uint64)[0]
+    return torch.Generator(device).manual_seed(int(state))
 
 
 def sampled_output_gradients(

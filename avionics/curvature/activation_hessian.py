@@ -21,7 +21,9 @@ from avionics.curvature._data import (
     forward_keeping_buffers,
     math_attention,
 )
+from avionics.curvature._distributed import refuse_distributed
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.distributed import unwrap
 
 IO_TYPES = ("input", "output")
 
@@ -75,14 +77,20 @@ class ActivationHessianOperator(CurvatureLinearOperator):
     (d L / dZ, with its graph) are computed once, at construction; a product is one backward
     through d L / dZ for all columns together (vmap, ``chunk_size`` at a time).
 
+    Its space is the samples of one batch on this process, so with torch.distributed
+    initialised it is that batch's Hessian, with no communication (``distributed=True`` is
+    refused: a batch is not a shard of a data set whose curvature could be summed).
+
     Args:
-        model: The network.
+        model: The network (one in ``DistributedDataParallel`` is unwrapped: its ``.module``
+            is used, module names as in ``model.module.named_modules()``).
         loss_fn: A loss function ``loss_fn(output, y) -> scalar``.
         activation: ``(module_name, "input" | "output", index)``.
         data: A single batch, as a re-iterable of one (X, y) pair (e.g. ``[(X, y)]``).
         check_deterministic: Refuse a forward pass that gives a different loss or Z when run
             twice (dropout, train-mode BatchNorm, ...).
         chunk_size: At most this many columns are multiplied at once.
+        distributed: None or False: the Hessian of this process's batch (True is refused).
     """
 
     SELF_ADJOINT = True
@@ -96,12 +104,21 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         *,
         check_deterministic: bool = True,
         chunk_size: int | None = 32,
+        distributed: bool | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(
                 "ActivationHessianOperator needs model to be an nn.Module (it hooks one of its "
                 f"modules), got a {type(model).__name__}."
             )
+        refuse_distributed(
+            distributed,
+            "ActivationHessianOperator",
+            "its space is the samples of one batch on this process; for the curvature of a "
+            "data set sharded across processes use HessianOperator or GGNOperator with "
+            "distributed=True.",
+        )
+        model, _ = unwrap(model)  # a forward through DistributedDataParallel starts collectives
         modules = dict(model.named_modules())
         module_name, io, index = _check_activation(activation, list(modules))
         if chunk_size is not None:

@@ -29,13 +29,18 @@ class GGNOperator(ModelDataOperator):
     differentiation for any other loss). Subclasses swap Lambda_b for another output-space
     matrix (:meth:`_output_space_matrix`).
 
+    With ``data`` a shard of a data set across torch.distributed processes (``distributed``),
+    G is that of the whole data set, one all_reduce per product (as for
+    :class:`~avionics.curvature.hessian.HessianOperator`); so is every subclass's matrix.
+
     Args:
         model: The network (an ``nn.Module``) or a function ``model(params, X)``.
         loss_fn: A loss module ``loss_fn(output, y)`` with reduction "mean" or "sum".
         params: The parameters; ``None`` for all that require grad.
         data: A re-iterable of (X, y) batches.
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
-            ``chunk_size`` (see :class:`~avionics.curvature._data.ModelDataOperator`).
+            ``chunk_size``, ``distributed`` (see
+            :class:`~avionics.curvature._data.ModelDataOperator`).
     """
 
     def __init__(self, model, loss_fn, params, data, **kwargs):

@@ -23,6 +23,11 @@ class HessianOperator(ModelDataOperator):
     columns go through that backward together (torch.func.vmap over the vjp of the
     gradient; a single vector by plain autograd double backward).
 
+    With ``data`` a shard of a data set across torch.distributed processes (``distributed``,
+    on by default when torch.distributed is initialised with several processes), H is that of
+    the whole data set, the same on every process: each process sums its batches (weights
+    B_b / N with N the whole data set's size) and one all_reduce per product adds the sums.
+
     Args:
         model: The network (an ``nn.Module``) or a function ``model(params, X)``.
         loss_fn: Any loss module ``loss_fn(output, y)`` with reduction "mean" or "sum".
@@ -30,7 +35,8 @@ class HessianOperator(ModelDataOperator):
             ``None`` for all that require grad.
         data: A re-iterable of (X, y) batches.
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
-            ``chunk_size`` (see :class:`~avionics.curvature._data.ModelDataOperator`).
+            ``chunk_size``, ``distributed`` (see
+            :class:`~avionics.curvature._data.ModelDataOperator`).
     """
 
     def __init__(self, model, loss_fn, params, data, **kwargs):

@@ -7,6 +7,7 @@ from torch import Tensor, nn
 from torch.func import jvp, vjp
 
 from avionics.curvature._data import ModelDataOperator, functional_pass
+from avionics.curvature._distributed import refuse_distributed
 
 
 class _OutputsOperator(ModelDataOperator):
@@ -14,12 +15,18 @@ class _OutputsOperator(ModelDataOperator):
 
     The rows follow the order of the data, so the batches must come in the same order on
     every pass (the determinism check compares the outputs batch by batch).
+
+    The rows are the samples of ``data``, so with torch.distributed initialised a Jacobian is
+    that of this process's data, its rows on this process: there is no product to sum over
+    processes (J^T u of the whole data set needs the rows u of every process's samples), so
+    ``distributed=True`` is refused. The curvature J^T Lambda J of a sharded data set is
+    :class:`~avionics.curvature.ggn.GGNOperator` with ``distributed``.
     """
 
     SELF_ADJOINT = False
     FIXED_DATA_ORDER = True
 
-    def __init__(self, model, params, data, *misplaced, **kwargs):
+    def __init__(self, model, params, data, *misplaced, distributed: bool | None = None, **kwargs):
         # The other operators take (model, loss_fn, params, data): a loss function passed the
         # same way lands in params, and data in misplaced.
         if isinstance(params, nn.Module) or misplaced or "loss_fn" in kwargs:
@@ -30,8 +37,15 @@ class _OutputsOperator(ModelDataOperator):
                 f"{name}(model, params, data) with params None (all parameters that require "
                 f"grad) or the parameters, and options by keyword; got params={params!r}{extra}."
             )
+        refuse_distributed(
+            distributed,
+            type(self).__name__,
+            "its rows are the samples of data, on this process; for the curvature of a data "
+            "set sharded across processes use GGNOperator(model, loss_fn, params, data, "
+            "distributed=True).",
+        )
         self._arguments = dict(model=model, params=params, data=data, **kwargs)
-        super().__init__(model, None, params, data, **kwargs)
+        super().__init__(model, None, params, data, distributed=False, **kwargs)
 
     def _output_shape(self) -> torch.Size:
         X, _ = next(self._batches("output shape"))
@@ -54,6 +68,8 @@ class JacobianOperator(_OutputsOperator):
         model: The network (an ``nn.Module``) or a function ``model(params, X)``.
         params: The parameters; ``None`` for all that require grad.
         data: A re-iterable of (X, y) batches (y is not used).
+        distributed: None or False: the Jacobian of this process's data (True is refused,
+            see :class:`_OutputsOperator`).
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
             ``chunk_size`` (see :class:`~avionics.curvature._data.ModelDataOperator`).
     """

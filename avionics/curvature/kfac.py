@@ -19,6 +19,7 @@ from avionics.curvature._data import (
     math_attention,
 )
 from avionics.curvature._losses import (
+    batch_generator,
     check_samplable,
     output_hessian_square_root,
     sampled_output_gradients,
@@ -83,7 +84,16 @@ class KFACOperator(ModelDataOperator):
         mc_samples: Labels drawn per output for ``"mc"``.
         seed: Seed of the draws.
         separate_weight_and_bias: Give each bias its own block.
-        **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``.
+        **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
+            ``distributed``.
+
+    With ``data`` a shard of a data set across torch.distributed processes (``distributed``,
+    see :class:`~avionics.curvature._data.ModelDataOperator`), the factors are those of the
+    whole data set: each process sums sum_r a_r a_r^T, B and the row count R of every layer
+    over its shard, one all_reduce adds them at construction, and A is divided by the total
+    R. The draws of ``"mc"`` are seeded per batch (by its index in the data set, shards in
+    rank order), so sharded data gets the factors of one process with all the batches. The
+    products then need no communication.
     """
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
@@ -143,19 +153,40 @@ class KFACOperator(ModelDataOperator):
     # ---------------------------------------------------------------------------------------
 
     def _compute_factors(self) -> None:
-        """B and A of every block, in one pass over the data."""
-        A = {id(layer): 0.0 for layer in self._layers()}
-        B = {id(layer): 0.0 for layer in self._layers()}
-        rows = {id(layer): 0 for layer in self._layers()}
-        for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
-            a, g = a.flatten(0, -2), g.flatten(0, -2)
-            A[id(layer)] = A[id(layer)] + a.T @ a
-            B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
-            rows[id(layer)] += len(a)
+        """B and A of every block, in one pass over the data (for sharded data: over each
+        process's shard, the sums of all layers added by one all_reduce)."""
+        layers = self._layers()
+        shapes = [shape for layer in layers for shape in self._factor_shapes(layer)]
+        sums = self._sum_over_processes(self._local_factor_sums, shapes, "Kronecker factors")
+        factors = {id(layer): sums[3 * i : 3 * i + 3] for i, layer in enumerate(layers)}
         one = torch.ones(1, 1, dtype=self.dtype, device=self.device)
         for block in self.blocks:
-            block.B = B[id(block.layer)]
-            block.A = A[id(block.layer)] / rows[id(block.layer)] if block.has_weight else one
+            A_sum, B, rows = factors[id(block.layer)]
+            block.B = B
+            block.A = A_sum / rows if block.has_weight else one
+
+    def _local_factor_sums(self) -> list[Tensor]:
+        """[sum_r a_r a_r^T, B, R] of every layer in turn, over this process's data."""
+        layers = self._layers()
+        A_sum = {id(layer): 0.0 for layer in layers}
+        B = {id(layer): 0.0 for layer in layers}
+        rows = {id(layer): 0 for layer in layers}
+        for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
+            a, g = a.flatten(0, -2), g.flatten(0, -2)
+            A_sum[id(layer)] = A_sum[id(layer)] + a.T @ a
+            B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
+            rows[id(layer)] += len(a)
+        sums = []
+        for layer in layers:
+            R = torch.tensor(float(rows[id(layer)]), dtype=torch.float64, device=self.device)
+            sums += [A_sum[id(layer)], B[id(layer)], R]  # R in float64: an exact count
+        return sums
+
+    def _factor_shapes(self, layer: nn.Module) -> list[tuple[int, ...]]:
+        """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out], []."""
+        joint = any(b.layer is layer and b.has_weight and b.has_bias for b in self.blocks)
+        d_in, d_out = layer.weight[0].numel() + joint, layer.weight.shape[0]
+        return [(d_in, d_in), (d_out, d_out), ()]
 
     def _layers(self) -> list[nn.Module]:
         return list({id(block.layer): block.layer for block in self.blocks}.values())
@@ -163,16 +194,17 @@ class KFACOperator(ModelDataOperator):
     def _backpropagated_rows(self, desc: str):
         """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]).
 
-        The rows of all calls of a layer are concatenated. The draws restart from the seed on
-        every pass, so every pass sees the same sample.
+        The rows of all calls of a layer are concatenated. The draws of a batch are seeded by
+        its index in the data set (:func:`~avionics.curvature._losses.batch_generator`), so
+        every pass sees the same sample, and sharded data the sample of one process.
         """
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
-        generator = torch.Generator(self.device).manual_seed(self._seed)
         capture = Capture(self._model, layers)
         with math_attention():
-            for X, y in self._batches(desc):
+            for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
                 output, calls = self._forward(X, capture, layers)
+                generator = batch_generator(self._seed, index, self.device)
                 vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
                 gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
@@ -245,22 +277,37 @@ class EKFACOperator(KFACOperator):
 
     G_{k,n} the per-sample gradients of the backpropagated vectors (see
     :class:`KFACOperator`), computed in a second pass over the data with the same draws. The
-    product is Q_B ((Q_B^T V Q_A) * S) Q_A^T. Arguments as for :class:`KFACOperator`.
+    product is Q_B ((Q_B^T V Q_A) * S) Q_A^T. For sharded data the eigenbases are those of
+    the all-reduced factors, the same on every process, and one all_reduce adds the
+    processes' sums S. Arguments as for :class:`KFACOperator`.
     """
 
     def _compute_factors(self) -> None:
         super()._compute_factors()
-        self._eigenbases = {}
+        bases = {}
         for block in self.blocks:
-            Q_B, Q_A = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
-            S = torch.zeros(len(Q_B), len(Q_A), dtype=self.dtype, device=self.device)
-            self._eigenbases[id(block)] = (Q_B, Q_A, S)
+            bases[id(block)] = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
+        shapes = [(len(Q_B), len(Q_A)) for Q_B, Q_A in bases.values()]
+        corrections = self._sum_over_processes(
+            lambda: self._local_corrections(bases), shapes, "eigenvalue corrections"
+        )
+        self._eigenbases = {
+            id(block): (*bases[id(block)], S) for block, S in zip(self.blocks, corrections)
+        }
+
+    def _local_corrections(self, bases: dict) -> list[Tensor]:
+        """S of every block over this process's data, from the eigenbases (Q_B, Q_A)."""
+        S = {
+            key: torch.zeros(len(Q_B), len(Q_A), dtype=self.dtype, device=self.device)
+            for key, (Q_B, Q_A) in bases.items()
+        }
         for weight, layer, a, g in self._backpropagated_rows("eigenvalue correction"):
             for block in (b for b in self.blocks if b.layer is layer):
-                Q_B, Q_A, S = self._eigenbases[id(block)]
+                Q_B, Q_A = bases[id(block)]
                 rows = a if block.has_weight else torch.ones_like(a[..., :1])
                 rotated = torch.einsum("knro,nri->knoi", g @ Q_B, rows @ Q_A)
-                S.add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
+                S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
+        return [S[id(block)] for block in self.blocks]
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         def apply(block: KroneckerBlock, V: Tensor) -> Tensor:

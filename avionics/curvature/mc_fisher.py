@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from avionics.curvature._data import check_positive_int, check_seed
 from avionics.curvature._losses import (
     OutputProduct,
+    batch_generator,
     check_samplable,
     per_sample_outer_product,
     sampled_output_gradients,
@@ -28,8 +28,12 @@ class MCFisherOperator(GGNOperator):
               \qquad \mathbb{E}[F_b] = G_b,
 
     (Martens & Grosse, "Optimizing neural networks with Kronecker-factored approximate
-    curvature", 2015, section 5), weighted over batches like the GGN. The draws are seeded:
-    every product uses the same sample (the data must come in the same order on every pass).
+    curvature", 2015, section 5), weighted over batches like the GGN. The draws are seeded
+    per batch, from (seed, the batch's index in the data set)
+    (:func:`~avionics.curvature._losses.batch_generator`): every product uses the same sample
+    (the data must come in the same order on every pass), and a data set sharded across
+    torch.distributed processes (``distributed``) gets the same sample as one process with
+    all its batches, the shards' in rank order.
 
     Args:
         model, loss_fn, params, data: As for :class:`~avionics.curvature.ggn.GGNOperator`.
@@ -49,13 +53,14 @@ class MCFisherOperator(GGNOperator):
         self._seed = check_seed(seed, type(self).__name__)
         super().__init__(model, loss_fn, params, data, **kwargs)
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        # Restart the draws so that every product sees the same sample.
-        self._generator = torch.Generator(self._params[0].device).manual_seed(self._seed)
-        return super()._matmat(M)
+    def _local_matmat(self, M: list[Tensor]) -> list[Tensor]:
+        # Restart at this process's first batch so that every product sees the same sample.
+        self._batch_index = self._first_batch
+        return super()._local_matmat(M)
 
     def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
-        S, kappa = sampled_output_gradients(
-            self._loss_fn, output, self._mc_samples, self._generator
-        )
+        # called once per batch, in data order
+        generator = batch_generator(self._seed, self._batch_index, self.device)
+        self._batch_index += 1
+        S, kappa = sampled_output_gradients(self._loss_fn, output, self._mc_samples, generator)
         return per_sample_outer_product(S, kappa / self._mc_samples)

@@ -4,6 +4,11 @@ squared Frobenius norm, spectral density and inverses.
 Every function takes any object with ``.shape`` (D, D) and ``@`` on torch vectors [D] and
 matrices [D, k], or a dense tensor. Stochastic functions take ``seed`` or ``generator`` and are
 reproducible (seed 0 when neither is given).
+
+On an operator of data sharded across torch.distributed processes (``distributed``), call the
+function on every process with the same ``seed`` (or generators seeded alike): the products
+are the same on every process, so are the random test vectors, and so every decision and
+result is the same on every process.
 """
 
 from .diagonal import hutchinson_diagonal, xdiag
