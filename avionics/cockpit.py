@@ -24,7 +24,7 @@ import math
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from avionics.configurations import configuration
 from avionics.distributed import all_processes, current_world, sum_over_processes, unwrap
-from avionics.persample import PerSampleEngine, Request
+from avionics.persample import PerSampleEngine, Request, Statistics
+from avionics.persample.request import MEAN_GRADIENT
 from avionics.persample.step import factorable
 from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
 from avionics.quantities.loss import Loss
@@ -106,6 +107,7 @@ class Cockpit:
                 raise ValueError(f"exist must be one of {EXIST_MODES}, got {exist!r}.")
         model, self._ddp = unwrap(model)
         _refuse_sharded(model)
+        _check_ddp_options(self._ddp, quantities)
         self._world = current_world()
         self.model = model
         self.quantities = quantities
@@ -500,7 +502,7 @@ class Cockpit:
         values: dict[int, dict[str, Any]] = defaultdict(dict)
         try:
             if request.asks_statistics:
-                data.statistics = data.captured.statistics(request, directions)
+                data.statistics = self._statistics(data.captured, request, directions)
                 # keep only the rules that mean_gradient_factors reuses: the others hold
                 # scaled copies of the step's output gradients
                 data.captured.release_rules(keep=factorable)
@@ -512,6 +514,22 @@ class Cockpit:
             if data.captured is not None:
                 data.captured.release_rules()  # what quantities keep of it is theirs
         return values
+
+    def _statistics(self, captured, request: Request, directions: dict) -> Statistics:
+        """The step's per-sample statistics. Under data parallelism "grad" is the global
+        batch's mean gradient, not the mean of this process's g_n, which the rules may
+        assume of a direction of that name: it is passed under another."""
+        if self._world.size == 1 or MEAN_GRADIENT not in request.directions:
+            return captured.statistics(request, directions)
+        name = f"{MEAN_GRADIENT} (global)"
+        renamed = {name if d == MEAN_GRADIENT else d: v for d, v in directions.items()}
+        request = replace(
+            request,
+            directions=frozenset(name if d == MEAN_GRADIENT else d for d in request.directions),
+        )
+        statistics = captured.statistics(request, renamed)
+        statistics.projections[MEAN_GRADIENT] = statistics.projections.pop(name)
+        return statistics
 
     # ------------------------------------------------------------------ data parallelism
     def _global_batch(self, loss: Tensor, reduction: str, n: int | None) -> _Batch:
@@ -586,10 +604,12 @@ class Cockpit:
         if self._world.size == 1:
             return sums
         keys = [(q, name) for q, named in sums.items() for name in named]
-        totals = sum_over_processes([sums[q][name] for q, name in keys], self._world)
+        # a tensor that several quantities share (the same object) travels once
+        distinct = list({id(sums[q][name]): sums[q][name] for q, name in keys}.values())
+        totals = dict(zip(map(id, distinct), sum_over_processes(distinct, self._world)))
         out: dict[str, dict[str, Tensor]] = {q: {} for q in sums}
-        for (q, name), total in zip(keys, totals):
-            out[q][name] = total
+        for q, name in keys:
+            out[q][name] = totals[id(sums[q][name])]
         return out
 
     def _sync_if(self, sync: bool) -> None:
@@ -657,6 +677,18 @@ def _split(flat: list[Tensor], params) -> list:
         *head,
         [t.view_as(p) for t, p in zip(packed.split([p.numel() for p in params]), params)],
     ]
+
+
+def _check_ddp_options(ddp, quantities: list[Quantity]) -> None:
+    graph = [q.name for q in quantities if q.create_graph]
+    if ddp is not None and getattr(ddp, "static_graph", False) and graph:
+        raise ValueError(
+            f"{', '.join(graph)} differentiate the gradient again (backward with "
+            "create_graph=True), which DistributedDataParallel(static_graph=True) refuses, also "
+            'in no_sync() ("a leaf Variable that requires grad is being used in an in-place '
+            'operation"). Wrap the model with static_graph=False, or leave these quantities '
+            "out."
+        )
 
 
 def _refuse_sharded(model: nn.Module) -> None:

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from avionics.persample import Request
 from avionics.persample.rules.factored import FactoredDirection
-from avionics.quantities.base import StepData, TwoStepQuantity
+from avionics.quantities.base import StepData, TwoStepQuantity, mean_gradient_sq_norm
 from avionics.quantities.plain_sgd import plain_sgd_learning_rate
 
 # Replaces a zero variance in the weights 1 / variance of the fit.
@@ -100,6 +100,20 @@ class Alpha(TwoStepQuantity):
         start.finish_update(data.params)
         return {_DIRECTION: start.unit}
 
+    def sums(self, data: StepData) -> dict[str, Tensor]:
+        """Sums of the per-sample observations over this process's samples: the losses of this
+        step, and, ending a start, the projections (g_n . s) / tau at both ends."""
+        sums = _moment_sums("f", _checked_losses(data))
+        if self.pending is not None:
+            start = self.pending[1]
+            start.finish_update(data.params)  # (prepare did, unless it was restored since)
+            end = _summed(data.statistics.projections[_DIRECTION]).double()
+            if start.per_tau is not None:
+                end = end * start.per_tau
+            sums.update(_moment_sums("df0", start.projections.double()))
+            sums.update(_moment_sums("df1", end))
+        return sums
+
     def start(self, data: StepData) -> _Start:
         start = _Start.at(data, self._at_optimizer_step)
         self._plain_sgd = start.captured is None
@@ -147,9 +161,9 @@ class _Start:
     one host transfer.
     """
 
-    def __init__(self, step: int, losses: Tensor):
-        self.step, self.n = step, losses.numel()
-        self.f, self.var_f = losses.mean(), _unbiased_variance(losses)
+    def __init__(self, step: int, n, f: Tensor, var_f: Tensor):
+        # the observation of the mean loss over the (global) batch of N samples
+        self.step, self.n, self.f, self.var_f = step, n, f, var_f
         self.unit: list[Tensor] | None = None  # s / tau, or s when per_tau is set
         self.per_tau: Tensor | None = None  # 1 / tau, for a direction s that is not unit
         self.tau: Tensor | None = None
@@ -162,18 +176,21 @@ class _Start:
 
     @classmethod
     def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
-        start = cls(data.step, _checked_losses(data))
+        n, f, var_f = _moments(data.totals["Alpha"], "f")
+        start = cls(data.step, n, f, var_f)
         optimizer = data.optimizer
-        lr = plain_sgd_learning_rate(optimizer)
+        # Under data parallelism the update is -lr times what the processes' gradients average
+        # to (DDP's mean of their means, not the global batch's mean with unequal batches):
+        # it is measured
+        lr = plain_sgd_learning_rate(optimizer) if data.world.size == 1 else None
         if lr is not None and "grad" in data.statistics.projections:
             # s = -lr * p.grad, and p.grad = c * g with c > 0 (c = N for a sum-reduced loss):
             # s / tau = -p.grad / ||p.grad|| and (g_n . s) / tau = -(g_n . g) / ||g||, from the
             # projections onto g that the engine computed for this step (shared with the
             # gradient tests)
-            # ||g||^2 = mean_n g_n . g: no pass over the gradients is needed for it
             projections = _summed(data.statistics.projections["grad"])
-            g_norm = projections.double().mean().clamp_min(0).sqrt()
-            grad_norm = g_norm if data.mean_grad is data.grads else g_norm * start.n
+            g_norm = mean_gradient_sq_norm(data).sqrt()
+            grad_norm = g_norm if data.mean_grad is data.grads else g_norm * data.batch_size
             start.tau = lr * grad_norm
             start.projections = projections / -_positive(g_norm.to(projections.dtype))
             start.unit = _unit_step(data, grad_norm, g_norm)
@@ -232,7 +249,7 @@ class _Start:
     @classmethod
     def restored(cls, saved: dict) -> _Start:
         """The inverse of :meth:`saved`."""
-        start = cls(int(saved["step"]), torch.zeros(2))  # observations overwritten below
+        start = cls(int(saved["step"]), None, None, None)  # observations set below
         for key in cls._SAVED:
             setattr(start, key, saved[key])
         start.unit = [
@@ -245,36 +262,24 @@ class _Start:
     def alpha(self, data: StepData) -> float | None:
         """Alpha of this start and the end step ``data`` (None, with a warning, where the
         parameters changed between ``optimizer.step()`` and this step)."""
-        losses = _checked_losses(data)
-        self.finish_update(data.params)  # (already done if the engine ran at the end step)
-        if min(losses.numel(), self.n) < 2:
+        totals = data.totals["Alpha"]
+        n, f1, vf1 = _moments(totals, "f")
+        _, df0, vdf0 = _moments(totals, "df0")
+        _, df1, vdf1 = _moments(totals, "df1")
+        if min(n, self.n) < 2:
             warnings.warn(
                 f"Alpha at step {self.step} needs batches of at least 2 samples for its "
                 "variances; stored nan.",
                 stacklevel=3,
             )
             return math.nan
-        end = _summed(data.statistics.projections[_DIRECTION]).double()
-        if self.per_tau is not None:
-            end = end * self.per_tau
-        start = self.projections.double()
-        changed = torch.zeros((), dtype=torch.float64, device=start.device)
+        changed = torch.zeros((), dtype=torch.float64, device=self.tau.device)
         if self._norms is not None:
             changed = _changed(_norms(data.params), self._norms).double()  # a fingerprint
         # one host transfer for the whole fit
+        observations = [changed, self.tau, self.f, f1, df0, df1, self.var_f, vf1, vdf0, vdf1]
         changed, tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
-            [
-                changed,
-                self.tau.double(),
-                self.f,
-                losses.mean(),
-                start.mean(),
-                end.mean(),
-                self.var_f,
-                _unbiased_variance(losses),
-                _unbiased_variance(start),
-                _unbiased_variance(end),
-            ]
+            [t.double().to(changed.device) for t in observations]
         ).tolist()
         if changed:
             warnings.warn(
@@ -346,11 +351,24 @@ def _checked_losses(data: StepData) -> Tensor:
     return data.individual_losses.detach().double()
 
 
-def _unbiased_variance(values: Tensor) -> Tensor:
-    """The unbiased variance in float64, a tensor (nan for fewer than 2 values)."""
-    if values.numel() < 2:
-        return values.new_tensor(math.nan, dtype=torch.float64)
-    return values.double().var()
+def _moment_sums(name: str, values: Tensor) -> dict[str, Tensor]:
+    """The count, sum and sum of squares of ``values`` (float64), named ``name.*``."""
+    return {
+        f"{name}.n": values.new_tensor(values.numel(), dtype=torch.float64),
+        f"{name}.sum": values.sum(),
+        f"{name}.sq": values.pow(2).sum(),
+    }
+
+
+def _moments(totals: dict[str, Tensor], name: str) -> tuple[int, Tensor, Tensor]:
+    """(N, mean, unbiased variance) from the :func:`_moment_sums` of all samples; the
+    variance (sum x^2 - (sum x)^2 / N) / (N - 1), nan for N < 2."""
+    n, total, squares = (totals[f"{name}.{key}"] for key in ("n", "sum", "sq"))
+    count = int(n)
+    mean = total / n
+    if count < 2:
+        return count, mean, torch.full_like(mean, math.nan)
+    return count, mean, (squares - total * mean).clamp_min(0) / (n - 1)
 
 
 def _summed(per_parameter: list[Tensor]) -> Tensor:

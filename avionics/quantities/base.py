@@ -77,6 +77,8 @@ class StepData:
             as it is used.
         curvature_diagonals: the curvature diagonals computed at this step, keyed by the
             settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
+        shared: work that several quantities of the step read (||g||^2, the flattened second
+            moments), keyed by what it is, made by the first that needs it.
         world: the processes the batch is split over (:data:`~avionics.distributed.SINGLE`
             without data parallelism).
         batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
@@ -100,6 +102,7 @@ class StepData:
     statistics: Statistics | None = None
     captured: CapturedStep | None = None
     curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
+    shared: dict[str, Any] = field(default_factory=dict)
     world: World = SINGLE
     batch_sizes: tuple[int, ...] = ()
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
@@ -265,6 +268,22 @@ class TwoStepQuantity(Quantity):
     def load_kept(self, saved: Any) -> Any:
         """The inverse of :meth:`save_kept`."""
         return saved
+
+
+def mean_gradient_sq_norm(data: StepData) -> Tensor:
+    """||g||^2 of the mean gradient, float64, computed once per step and shared."""
+    if "g_sq" not in data.shared:
+        data.shared["g_sq"] = global_norm_squared(data.mean_grad).double()
+    return data.shared["g_sq"]
+
+
+def flat_sum_sq(data: StepData) -> Tensor:
+    """sum_n g_{n,d}^2 of this process's samples, flattened over all tracked parameters: one
+    tensor per step shared by the quantities that read it (returned as their sum of that
+    name, it is added over the processes once). Read-only."""
+    if "sum_sq" not in data.shared:
+        data.shared["sum_sq"] = torch.cat([t.reshape(-1) for t in data.statistics.sum_sq])
+    return data.shared["sum_sq"]
 
 
 def global_norm_squared(tensors: list[Tensor]) -> Tensor:

@@ -43,7 +43,7 @@ from avionics.curvature.step.hessian_diagonal import (
 )
 from avionics.persample import Request
 from avionics.quantities.arguments import checked_int, checked_seed
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import Quantity, StepData, flat_sum_sq
 from avionics.quantities.outputs import per_parameter
 from avionics.schedules import Schedule
 
@@ -141,12 +141,27 @@ class _Curvature(Quantity):
                 for q in data.active
             )
             if diagonal:
-                h = self._diagonal(data)
+                h = self._global(data, self._diagonal(data))
                 entry = {"h": h, "sums": torch.stack([d.sum() for d in h])}
             else:  # the GGN's sums alone are cheaper (squared norms instead of squares)
-                entry = {"sums": torch.stack(self._diagonal(data, traces=True))}
+                (sums,) = self._global(data, [torch.stack(self._diagonal(data, traces=True))])
+                entry = {"sums": sums}
             data.curvature_diagonals[key] = entry
         return entry
+
+    def _global(self, data: StepData, local: list[Tensor]) -> list[Tensor]:
+        """The global batch's diagonal (or sums) from this process's, of the mean over its
+        N_r samples: sum_r (N_r / N) h_r, in one collective (the probed diagonal of a sum
+        is already scaled by the global 1 / N)."""
+        if data.world.size == 1:
+            return local
+        probed_sum = (
+            self.curvature == "diag_h"
+            and data.reduction == "sum"
+            and bool(not_piecewise_linear(data.model))
+        )
+        weight = 1.0 if probed_sum else data.batch_sizes[data.world.rank] / data.batch_size
+        return data.sum_over_processes([t * weight for t in local])
 
     def diagonal(self, data: StepData) -> list[Tensor]:
         """The curvature diagonal h of the mean loss over the batch, one tensor per
@@ -227,12 +242,13 @@ class TICDiag(_Curvature):
 
     needs_diagonal = True
 
+    def sums(self, data: StepData):
+        return {"sum_sq": flat_sum_sq(data)}
+
     def compute(self, data: StepData):
-        h, s = self.diagonal(data), data.statistics.sum_sq
-        total = sum(
-            torch.dot(d.add(self.eps).reciprocal_().reshape(-1), q.reshape(-1)).double()
-            for q, d in zip(s, h, strict=True)
-        )
+        h = torch.cat([d.reshape(-1) for d in self.diagonal(data)])
+        s = data.totals[self.name]["sum_sq"]
+        total = torch.dot(h.add_(self.eps).reciprocal_(), s).double()
         return {data.step: total / data.batch_size}
 
 
@@ -241,7 +257,9 @@ class TICTrace(_Curvature):
     (sum_d mean_n g_{n,d}^2) / (sum_d h_d + eps), g_n the gradients of the per-sample losses
     and h the curvature diagonal of their mean (also for a sum-reduced loss)."""
 
+    def sums(self, data: StepData):
+        return {"sum_sq": sum(q.sum().double() for q in data.statistics.sum_sq)}
+
     def compute(self, data: StepData):
-        s = data.statistics.sum_sq
-        m2 = sum(q.sum().double() for q in s) / data.batch_size
+        m2 = data.totals[self.name]["sum_sq"] / data.batch_size
         return {data.step: m2 / (self.diagonal_sums(data).sum().double() + self.eps)}

@@ -23,13 +23,14 @@ import warnings
 import torch
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData, global_norm_squared
+from avionics.quantities.base import Quantity, StepData, mean_gradient_sq_norm
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
 
 
 class _GradientTest(Quantity):
-    """Shared: the statistic from sum_n ||g_n||^2, the projections g_n . g and ||g||^2."""
+    """Shared: a sum over samples of the statistics the request names, combined with ||g||^2
+    and N. Under data parallelism the sum is added over the processes (g and N are global)."""
 
     info_keys = PER_SAMPLE_KEYS
 
@@ -37,8 +38,14 @@ class _GradientTest(Quantity):
         super().__init__(schedule)
         self._warned_zero_gradient = False
 
-    def request(self, step: int) -> Request:
-        return Request(sq_norms=True, directions=frozenset({"grad"}))
+    def sums(self, data: StepData):
+        stats = data.statistics
+        # [N] each: ||g_n||^2 and g_n . g, where the request asked for them
+        sq_norms = sum(stats.sq_norms).double() if stats.sq_norms is not None else None
+        grad = stats.projections.get("grad")
+        projections = sum(grad).double() if grad is not None else None
+        g_sq = mean_gradient_sq_norm(data)
+        return {"sum": self.summand(sq_norms, projections, g_sq).sum()}
 
     def compute(self, data: StepData):
         n = data.batch_size
@@ -47,10 +54,7 @@ class _GradientTest(Quantity):
                 f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
             )
             return {data.step: torch.tensor(float("nan"))}
-        stats = data.statistics
-        sq_norms = sum(stats.sq_norms).double()  # ||g_n||^2, [N]
-        projections = sum(stats.projections["grad"]).double()  # g_n . g, [N]
-        g_sq = global_norm_squared(data.mean_grad).double()  # ||g||^2
+        g_sq = mean_gradient_sq_norm(data)
         # (a host transfer per step only until the warning is given)
         if not self._warned_zero_gradient and bool(g_sq == 0):
             self._warned_zero_gradient = True
@@ -59,17 +63,26 @@ class _GradientTest(Quantity):
                 "undefined (it divides by ||g||^2); stored nan. Warned once.",
                 stacklevel=2,
             )
-        return {data.step: self.statistic(sq_norms, projections, g_sq, n)}
+        total = data.totals[self.name]["sum"]
+        return {data.step: self.statistic(total, g_sq, n)}
 
 
 class NormTest(_GradientTest):
     """Norm test (Byrd et al. 2012): sqrt( sum_n ||g_n - g||^2 / ((N-1) N ||g||^2) ), the
     relative standard error of the mini-batch gradient (of the mean loss over the batch; the
-    same for a sum-reduced loss); nan with a warning when g = 0."""
+    same for a sum-reduced loss); nan with a warning when g = 0. It needs only the per-sample
+    norms: sum_n ||g_n - g||^2 = sum_n ||g_n||^2 - N ||g||^2."""
+
+    def request(self, step: int) -> Request:
+        return Request(sq_norms=True)
 
     @staticmethod
-    def statistic(sq_norms, projections, g_sq, n):
-        return ((sq_norms.sum() - n * g_sq) / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
+    def summand(sq_norms, projections, g_sq):
+        return sq_norms
+
+    @staticmethod
+    def statistic(total, g_sq, n):
+        return ((total - n * g_sq) / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
 
 
 class InnerTest(_GradientTest):
@@ -77,9 +90,16 @@ class InnerTest(_GradientTest):
     sqrt( sum_n (g_n . g - ||g||^2)^2 / ((N-1) N ||g||^4) ), g the gradient of the mean loss
     over the batch (the same for a sum-reduced loss); nan with a warning when g = 0."""
 
+    def request(self, step: int) -> Request:
+        return Request(directions=frozenset({"grad"}))
+
     @staticmethod
-    def statistic(sq_norms, projections, g_sq, n):
-        return ((projections - g_sq).pow(2).sum() / ((n - 1) * n * g_sq.pow(2))).sqrt()
+    def summand(sq_norms, projections, g_sq):
+        return (projections - g_sq).pow(2)
+
+    @staticmethod
+    def statistic(total, g_sq, n):
+        return (total / ((n - 1) * n * g_sq.pow(2))).sqrt()
 
 
 class OrthoTest(_GradientTest):
@@ -87,7 +107,13 @@ class OrthoTest(_GradientTest):
     sqrt( sum_n ||g_n - (g_n . g / ||g||^2) g||^2 / ((N-1) N ||g||^2) ), g the gradient of the
     mean loss over the batch (the same for a sum-reduced loss); nan with a warning when g = 0."""
 
+    def request(self, step: int) -> Request:
+        return Request(sq_norms=True, directions=frozenset({"grad"}))
+
     @staticmethod
-    def statistic(sq_norms, projections, g_sq, n):
-        orthogonal = (sq_norms - projections.pow(2) / g_sq).sum()
-        return (orthogonal / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
+    def summand(sq_norms, projections, g_sq):
+        return sq_norms - projections.pow(2) / g_sq
+
+    @staticmethod
+    def statistic(total, g_sq, n):
+        return (total / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()

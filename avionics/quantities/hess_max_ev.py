@@ -83,7 +83,7 @@ class HessMaxEV(Quantity):
 
     def compute(self, data: StepData):
         grads = _graph_grads(self, data)
-        hvp = _HessianProduct(grads, _leaves(data))
+        hvp = _HessianProduct(grads, _leaves(data), data)
         result = top_eigenpairs(
             BlockOperator(hvp, hvp.slices, hvp.dtype, hvp.device),
             tol=self.tol,
@@ -140,8 +140,9 @@ class _HessianProduct:
     """Row of the storage -> H v, per leaf (a list; None for a leaf H v does not reach), for
     the loss whose graph-carrying gradients are given. The tangents are views of the row."""
 
-    def __init__(self, grads: list[Tensor], leaves: list[Tensor]):
+    def __init__(self, grads: list[Tensor], leaves: list[Tensor], data: StepData | None = None):
         kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
+        self.data = data  # the step, whose world and share make the product global
         self.grads = [grads[k] for k in kept]
         self.leaves = list(leaves)
         offsets = [0, *accumulate(p.numel() for p in self.leaves)]
@@ -154,7 +155,7 @@ class _HessianProduct:
     def __call__(self, v: Tensor) -> list[Tensor | None]:
         tangents = [v[self.slices[k]].view(self.shapes[k]) for k in self.kept]
         try:
-            return list(
+            products = list(
                 torch.autograd.grad(
                     self.grads, self.leaves, tangents, retain_graph=True, allow_unused=True
                 )
@@ -163,3 +164,12 @@ class _HessianProduct:
             if "is not implemented" in str(error) and "derivative for" in str(error):
                 raise RuntimeError(NO_SECOND_DERIVATIVE.format(error=error)) from error
             raise
+        data = self.data
+        if data is None or data.world.size == 1:
+            return products
+        # the global loss's H v: sum_r w_r H_r v, one all-reduce per product
+        local = [
+            p * data.share if p is not None else torch.zeros_like(leaf)
+            for p, leaf in zip(products, self.leaves, strict=True)
+        ]
+        return data.sum_over_processes(local)

@@ -192,13 +192,21 @@ class GradHist1d(_Histogram):
         if self.adapt is not None and self.adapt.source == "grad":
             self._max = _larger(self._max, _chunk_abs_max(chunk))
 
-    def compute(self, data: StepData):
+    def sums(self, data: StepData):
         if self._counts is None:  # no tracked parameter had any element
             self._counts = torch.zeros(self.bins, dtype=torch.int64)
-        value = {"hist": self._counts, "edges": _edges(self.bins, self._step_range)}
-        if self.adapt is not None:
-            self.range = _adapted(self.name, self.adapt, self._max, data, self.range)
+        sums = {"hist": self._counts}
+        if self.adapt is not None and self.adapt.source == "grad":
+            sums["max"] = _slots_of_max(self._max, data)
         self._counts, self._max = None, None
+        return sums
+
+    def compute(self, data: StepData):
+        totals = data.totals[self.name]
+        value = {"hist": totals["hist"], "edges": _edges(self.bins, self._step_range)}
+        if self.adapt is not None:
+            grad_max = totals["max"].max() if "max" in totals else None
+            self.range = _adapted(self.name, self.adapt, grad_max, data, self.range)
         return {data.step: value}
 
 
@@ -275,7 +283,7 @@ class GradHist2d(_Histogram):
         if self._track_max:
             self._max = _larger(self._max, _chunk_abs_max(chunk))
 
-    def compute(self, data: StepData):
+    def sums(self, data: StepData):
         xbins, ybins = self.bins
         per_param = [
             c.reshape(ybins, xbins).t() if c is not None
@@ -285,15 +293,32 @@ class GradHist2d(_Histogram):
         total = per_param[0].clone()
         for c in per_param[1:]:
             total = total + c.to(total.device)
-        edges = [_edges(b, r) for b, r in zip(self.bins, self._step_range, strict=True)]
-        value = {"hist": total, "edges": edges}
+        sums = {"hist": total}
         if self.per_parameter:
-            value["param_hist"] = per_param
+            sums.update({f"param_hist.{k}": c for k, c in enumerate(per_param)})
+        if self._track_max:
+            sums["max"] = _slots_of_max(self._max, data)
+        self._counts, self._max, self._params, self._offsets = [], None, None, {}
+        return sums
+
+    def compute(self, data: StepData):
+        totals = data.totals[self.name]
+        edges = [_edges(b, r) for b, r in zip(self.bins, self._step_range, strict=True)]
+        value = {"hist": totals["hist"], "edges": edges}
+        if self.per_parameter:
+            value["param_hist"] = [totals[f"param_hist.{k}"] for k in range(len(data.params))]
+        grad_max = totals["max"].max() if "max" in totals else None
         for axis, adapt in enumerate(self.adapt):
             if adapt is not None:
-                self.range[axis] = _adapted(self.name, adapt, self._max, data, self.range[axis])
-        self._counts, self._max, self._params, self._offsets = [], None, None, {}
+                self.range[axis] = _adapted(self.name, adapt, grad_max, data, self.range[axis])
         return {data.step: value}
+
+
+def _slots_of_max(grad_max: Tensor | None, data: StepData) -> Tensor:
+    """This process's max_{n,d} |g_{n,d}| in its slot of a [processes] vector: the sum over
+    the processes holds every one's, whose max is the global batch's."""
+    mine = torch.zeros((), dtype=torch.float64) if grad_max is None else grad_max.double()
+    return data.world.slots(mine.reshape(()))
 
 
 def _adapted(name: str, adapt: _AbsMax, grad_max, data: StepData, current) -> tuple:

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import Quantity, StepData, flat_sum_sq
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
 from avionics.quantities.plain_sgd import plain_sgd_learning_rate, require_plain_sgd
 
@@ -47,13 +47,16 @@ class _SecondMoment(Quantity):
     def request(self, step: int) -> Request:
         return Request(sum_sq=True)
 
+    def sums(self, data: StepData):
+        return {"sum_sq": flat_sum_sq(data)}
+
     def moments(self, data: StepData):
         """(g_d^2, biased variance m2_d - g_d^2), flattened over all parameters: two new
         model-sized tensors, each owned by the caller, which may overwrite them."""
-        # in place on the flattened copies: a model-sized temporary per operation would
-        # raise the step's peak memory by several copies of the model
+        # in place on new tensors: a model-sized temporary per operation would raise the
+        # step's peak memory by several copies of the model
         g_sq = _flat(data.mean_grad).square_()
-        variance = _flat(data.statistics.sum_sq).div_(data.batch_size).sub_(g_sq)
+        variance = data.totals[self.name]["sum_sq"].div(data.batch_size).sub_(g_sq)
         return g_sq, variance
 
 

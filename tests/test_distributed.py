@@ -1,0 +1,157 @@
+"""The cockpit under data parallelism: on every process, each quantity equals a single process
+run on the concatenated batch (float64), with DistributedDataParallel and its options, equal
+and unequal per-process batches, 2 and 3 gloo processes (SPEC section 2, avionics.distributed).
+"""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+from spawned import on_ranks
+from torch import nn
+
+from avionics import Cockpit, configuration, quantities, read_run
+
+STEPS = 3
+ARCHITECTURES = {"mlp": models.mlp, "cnn": models.cnn, "transformer": models.transformer}
+
+
+def batches(architecture: str, sizes: tuple[int, ...]):
+    """STEPS global batches of sum(sizes) samples, and how they split over the processes."""
+    total = sum(sizes)
+    out = []
+    for step in range(STEPS):
+        _, X, y, _ = ARCHITECTURES[architecture](n=total, seed=100 + step)
+        out.append((X, y))
+    return out
+
+
+def split(tensor: torch.Tensor, sizes, rank: int) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return tensor[start : start + sizes[rank]]
+
+
+def make_quantities(names):
+    return [getattr(quantities, name)() for name in names] if names else configuration("full")
+
+
+class MeasuredSGD(torch.optim.SGD):
+    """SGD that is not "plain SGD" to the cockpit (it overrides step): Alpha measures the
+    update, which here is not -lr times the gradient the cockpit saw (the test sets DDP's)."""
+
+    def step(self, closure=None):
+        return super().step(closure)
+
+
+def ddp_gradient(model, losses, sizes):
+    """What DDP leaves in p.grad: the average over processes of their mean losses' gradients."""
+    shares = losses.split(list(sizes))
+    objective = sum(share.mean() for share in shares) / len(sizes)
+    return torch.autograd.grad(objective, list(model.parameters()), retain_graph=True)
+
+
+def single_process(architecture, names, sizes):
+    """The reference: one process, the global batch, and the update DDP makes."""
+    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
+    cockpit = Cockpit(model, make_quantities(names))
+    opt = MeasuredSGD(model.parameters(), lr=0.05)
+    for step, (X, y) in enumerate(batches(architecture, sizes)):
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        loss = losses.mean()
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
+        update = ddp_gradient(model, losses, sizes)
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        for p, g in zip(model.parameters(), update):
+            p.grad = g.detach()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
+
+
+def one_rank(rank, world, architecture, names, sizes, wrap, options, log):
+    """One process of a data-parallel run: its shard of each batch, DDP (``wrap``) with
+    ``options`` or the plain model with the gradients averaged by hand."""
+    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
+    forward = nn.parallel.DistributedDataParallel(model, **options) if wrap else model
+    cockpit = Cockpit(forward, make_quantities(names), log=log)
+    opt = MeasuredSGD(model.parameters(), lr=0.05)
+    for step, (X, y) in enumerate(batches(architecture, sizes)):
+        X, y = split(X, sizes, rank), split(y, sizes, rank)
+        opt.zero_grad()
+        losses = loss_fn(forward(X), y)
+        loss = losses.mean()
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        if not wrap:  # what DDP would do
+            for p in model.parameters():
+                p.grad = p.grad.detach()
+                torch.distributed.all_reduce(p.grad)
+                p.grad /= world
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
+
+
+def scenarios_on_ranks(rank, world, scenarios, tmp):
+    """Every scenario in one spawn (starting processes is what costs)."""
+    return [
+        one_rank(rank, world, *scenario, log=f"{tmp}/{k}/run")
+        for k, scenario in enumerate(scenarios)
+    ]
+
+
+def assert_equal_outputs(ours, expected, rel=1e-10):
+    assert sorted(ours) == sorted(expected)
+    for step, values in expected.items():
+        assert sorted(ours[step]) == sorted(values), step
+        for name, value in values.items():
+            if name == "Time":
+                continue
+            assert ours[step][name] == pytest.approx(value, rel=rel, abs=1e-12), (step, name)
+
+
+FIRST_ORDER = ("Loss", "GradNorm", "Distance", "UpdateSize")
+# the transformer's attention kernel has no second derivative on CPU (the integrations issue)
+FIRST_ORDER_PER_SAMPLE = (
+    *("Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest"),
+    *("OrthoTest", "UpdateSize", "MeanGSNR", "GradientNoiseScale", "GradHist2d"),
+)
+ECONOMY_AND_CURVATURE = (
+    *("Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest"),
+    *("OrthoTest", "UpdateSize", "HessMaxEV", "MeanGSNR", "GradientNoiseScale", "TICTrace"),
+)
+
+# (architecture, quantity names or None for "full", per-process batch sizes, DDP, its options)
+SCENARIOS = {
+    2: [
+        ("mlp", None, (4, 4), True, {}),
+        ("mlp", None, (5, 2), True, {}),
+        ("cnn", ECONOMY_AND_CURVATURE, (3, 2), True, {"gradient_as_bucket_view": True}),
+        ("transformer", FIRST_ORDER_PER_SAMPLE, (2, 3), True, {"find_unused_parameters": True}),
+        ("mlp", FIRST_ORDER, (3, 3), True, {"gradient_as_bucket_view": True}),
+        ("mlp", FIRST_ORDER, (3, 3), True, {"static_graph": True}),
+        ("mlp", FIRST_ORDER, (3, 3), True, {"find_unused_parameters": True}),
+        ("mlp", FIRST_ORDER, (3, 4), False, {}),
+    ],
+    3: [("mlp", None, (3, 2, 4), True, {})],
+}
+
+
+@pytest.mark.parametrize("world", sorted(SCENARIOS))
+def test_every_quantity_is_the_global_batch_s(tmp_path, world):
+    scenarios = SCENARIOS[world]
+    results = on_ranks(scenarios_on_ranks, world, tmp_path, scenarios, str(tmp_path))
+    for k, (architecture, names, sizes, _, _) in enumerate(scenarios):
+        expected, params = single_process(architecture, names, sizes)
+        for rank in range(world):
+            output, final = results[rank][k]
+            assert_equal_outputs(output, expected)
+            for p, q in zip(final, params):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+        run = read_run(tmp_path / str(k) / "run")  # rank 0's log, the only one
+        assert sorted(run.steps) == sorted(expected)
+        assert run.metadata["world_size"] == world
