@@ -556,9 +556,10 @@ class Cockpit:
         """The gradient of the global loss (as reduced), per tracked parameter.
 
         One process: ``p.grad``. Under DDP with equal batches, DDP's average of the
-        processes' gradients is the global mean's. Otherwise the processes' gradient sums
-        sum_n grad l_n are added (one all-reduce of the parameters' size; with the average
-        that DDP would have made packed in, when this step ran in no_sync)."""
+        processes' gradients is the global mean's (a step in no_sync() makes that all-reduce
+        itself). Otherwise the processes' gradient sums sum_n grad l_n are added (one
+        all-reduce of the parameters' size; with the average that DDP would have made packed
+        in, when this step ran in no_sync)."""
         world = self._world
         if world.size == 1:
             return [
@@ -570,6 +571,12 @@ class Cockpit:
         if self._ddp is not None and self._no_sync is None and len(set(batch.sizes)) == 1:
             averaged = [p.grad.detach() for p in self.params]
             return averaged if reduction == "mean" else [g * world.size for g in averaged]
+        if self._ddp is not None and self._no_sync is not None and len(set(batch.sizes)) == 1:
+            # equal batches: the all-reduce DDP skipped gives both (sum_r g_r / W is DDP's
+            # average, and the global mean for a mean-reduced loss)
+            summed = sum_over_processes(local, world)
+            self._ddp_average = summed
+            return [g / world.size for g in summed] if reduction == "mean" else summed
         weight = batch.sizes[world.rank] if reduction == "mean" else 1
         sums = [g * weight for g in local]
         if self._ddp is not None and self._no_sync is not None:

@@ -155,3 +155,53 @@ def test_every_quantity_is_the_global_batch_s(tmp_path, world):
         run = read_run(tmp_path / str(k) / "run")  # rank 0's log, the only one
         assert sorted(run.steps) == sorted(expected)
         assert run.metadata["world_size"] == world
+
+
+def raising_rank(rank, world, log):
+    """Rank 1 raises inside its block at step 2 and leaves; rank 0 goes on until the process
+    group fails it."""
+    model, _, _, loss_fn = models.mlp(n=2)
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, [quantities.Loss(), quantities.NormTest()], log=log)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step, (X, y) in enumerate(batches("mlp", (3, 3)) * 2):
+        X, y = split(X, (3, 3), rank), split(y, (3, 3), rank)
+        opt.zero_grad()
+        losses = loss_fn(forward(X), y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+        try:
+            with cockpit(step, info=info):
+                if rank == 1 and step == 2:
+                    raise ValueError("the user's own error")
+                losses.mean().backward()
+        except (ValueError, RuntimeError) as error:
+            return f"step {step}: {type(error).__name__}"
+        opt.step()
+    return "finished"
+
+
+def test_a_process_that_raises_leaves_rank_0_s_log_readable(tmp_path):
+    log = tmp_path / "run"
+    outcomes = on_ranks(raising_rank, 2, tmp_path, str(log))
+    assert outcomes[1] == "step 2: ValueError"
+    assert outcomes[0].startswith("step 2") or outcomes[0].startswith("step 3")
+    run = read_run(log)
+    assert sorted(run.steps) == [0, 1] and run.problems == []
+
+
+def per_rank_logs(rank, world, log):
+    model, _, _, loss_fn = models.mlp(n=2)
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, [quantities.Loss()], log=log)
+    X, y = batches("mlp", (2, 3))[0]
+    losses = loss_fn(forward(split(X, (2, 3), rank)), split(y, (2, 3), rank))
+    with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses}):
+        losses.mean().backward()
+    cockpit.close()
+
+
+def test_a_log_path_with_rank_gives_each_process_its_log(tmp_path):
+    on_ranks(per_rank_logs, 2, tmp_path, str(tmp_path / "rank{rank}"))
+    for rank in range(2):
+        run = read_run(tmp_path / f"rank{rank}")
+        assert run.metadata["world_size"] == 2 and sorted(run.steps) == [0]

@@ -114,8 +114,10 @@ def test_an_empty_log_is_reported_and_every_reader_copes(tmp_path, capsys, conte
     plot(run, tmp_path / "cockpit.png")
     to_csv(run, tmp_path / "log.csv")
     assert (tmp_path / "log.csv").read_text().strip() == "step"
-    assert main(["diagnose", str(tmp_path / "run")]) == 0
-    assert NO_RECORDS in capsys.readouterr().err
+    # the command line refuses it in one line that quotes the problem
+    assert main(["diagnose", str(tmp_path / "run")]) == 1
+    err = capsys.readouterr().err
+    assert NO_RECORDS in err and len(err.strip().splitlines()) == 1
     assert file.read_bytes() == content
 
 
@@ -416,6 +418,11 @@ def test_metadata_must_be_a_dict(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def _started_then_wait(started, release):
+    started.set()
+    release.wait(30)
+
+
 def test_a_forked_child_leaves_the_lock_with_its_parent(tmp_path):
     # a DataLoader worker forked while the writer is open: once the parent closes, the log
     # can be opened again although the child still lives
@@ -423,9 +430,10 @@ def test_a_forked_child_leaves_the_lock_with_its_parent(tmp_path):
 
     writer = RunWriter(tmp_path / "run", metadata={})
     context = multiprocessing.get_context("fork")
-    release = context.Event()
-    child = context.Process(target=release.wait, args=(30,))
+    started, release = context.Event(), context.Event()
+    child = context.Process(target=_started_then_wait, args=(started, release))
     child.start()
+    assert started.wait(30)  # the child runs (its fork handlers have run)
     try:
         writer.close()
         RunWriter(tmp_path / "run", metadata={}).close()
