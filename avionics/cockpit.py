@@ -490,6 +490,11 @@ class Cockpit:
             world=self._world,
             batch_sizes=batch.sizes,
         )
+        if self._world.size > 1:
+            data.local_grads = [
+                g if g is not None else torch.zeros_like(p)
+                for g, p in zip(gradients, self.params, strict=True)
+            ]
         if request:
             # a mean-reduced loss backpropagates dl_n/dout / N: the factor N undoes that
             factor = local_n if reduction == "mean" else 1

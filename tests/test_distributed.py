@@ -215,3 +215,39 @@ def test_a_log_path_with_rank_gives_each_process_its_log(tmp_path):
     for rank in range(2):
         run = read_run(tmp_path / f"rank{rank}")
         assert run.metadata["world_size"] == 2 and sorted(run.steps) == [0]
+
+
+def noise_scale_per_process(rank, world, sizes):
+    model, _, _, loss_fn = models.mlp(n=2)
+    forward = nn.parallel.DistributedDataParallel(model)
+    chosen = [
+        quantities.GradCovTrace(per_process=True),
+        quantities.TrueGradSqNorm(per_process=True),
+    ]
+    cockpit = Cockpit(forward, chosen)
+    X, y = batches("mlp", sizes)[0]
+    losses = loss_fn(forward(split(X, sizes, rank)), split(y, sizes, rank))
+    with cockpit(0, info={"loss": losses.mean(), "batch_size": len(losses)}):
+        losses.mean().backward()
+    return cockpit.get_output()[0]
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (2, 2, 2)])
+def test_the_cheap_noise_scale_takes_the_processes_batches_as_the_small_ones(tmp_path, sizes):
+    """B_small = N / P: |G_small|^2 the mean of the processes' ||g_r||^2, B_big = N."""
+    outputs = on_ranks(noise_scale_per_process, len(sizes), tmp_path, sizes)
+    model, _, _, loss_fn = models.mlp(n=2)
+    X, y = batches("mlp", sizes)[0]
+    per_process = []
+    for rank in range(len(sizes)):
+        loss = loss_fn(model(split(X, sizes, rank)), split(y, sizes, rank)).mean()
+        grads = torch.autograd.grad(loss, list(model.parameters()))
+        per_process.append(torch.cat([g.reshape(-1) for g in grads]))
+    g_r = torch.stack(per_process)
+    small, big = g_r.pow(2).sum(1).mean(), g_r.mean(0).pow(2).sum()
+    b, n = sizes[0], sum(sizes)
+    noise = (small - big) / (1 / b - 1 / n)
+    signal = (n * big - b * small) / (n - b)
+    for output in outputs:
+        assert output["GradCovTrace"] == pytest.approx(float(noise), rel=1e-10)
+        assert output["TrueGradSqNorm"] == pytest.approx(float(signal), rel=1e-10)

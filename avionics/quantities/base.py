@@ -83,6 +83,8 @@ class StepData:
             without data parallelism).
         batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
         totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
+        local_grads: under data parallelism, this process's gradient of its own loss (before
+            any all-reduce), per tracked parameter; None with one process.
     """
 
     step: int
@@ -106,6 +108,7 @@ class StepData:
     world: World = SINGLE
     batch_sizes: tuple[int, ...] = ()
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
+    local_grads: list[Tensor] | None = None
     _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property

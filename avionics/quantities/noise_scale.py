@@ -31,6 +31,11 @@ global one: N counts every process's samples, sum_n ||g_n||^2 is added over the 
 number per quantity in the cockpit's packed all-reduce) and g is the global mean gradient.
 Everything after the per-parameter sums is float64. A batch of one sample leaves them
 undefined: nan, with a warning.
+
+``per_process=True`` is the cheap form under data parallelism (the paper's own estimator in
+data-parallel training): the small batches are the P processes' own, B_small = N / P with
+|G_small|^2 the mean over processes of ||g_r||^2 (each process's gradient before the
+all-reduce), B_big = N with ||g||^2; no per-sample statistics, one number per process.
 """
 
 from __future__ import annotations
@@ -44,46 +49,84 @@ from torch import Tensor
 
 from avionics.persample import Request
 from avionics.quantities.arguments import checked_real
-from avionics.quantities.base import Quantity, StepData, global_norm_squared
+from avionics.quantities.base import (
+    Quantity,
+    StepData,
+    global_norm_squared,
+    mean_gradient_sq_norm,
+)
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
 
 # the sum the quantities add over the processes: sum_n ||g_n||^2 over all tracked parameters
 SQ_NORMS = "sq_norms"
 
 
-def signal_and_noise(sum_sq_norms: Tensor, grad_sq_norm: Tensor, n: int) -> tuple[Tensor, Tensor]:
-    """(|G|^2, tr(S)) from sum_n ||g_n||^2, ||g||^2 and the batch size N >= 2:
-    ((N ||g||^2 - mean_n ||g_n||^2) / (N - 1), (mean_n ||g_n||^2 - ||g||^2) / (1 - 1 / N))."""
-    mean_sq_norm = sum_sq_norms / n
-    signal = (n * grad_sq_norm - mean_sq_norm) / (n - 1)
-    noise = (mean_sq_norm - grad_sq_norm) / (1 - 1 / n)
+def signal_and_noise(
+    small: Tensor, b_small: int, big: Tensor, b_big: int
+) -> tuple[Tensor, Tensor]:
+    """(|G|^2, tr(S)) from |G_small|^2 of batches of b_small samples and |G_big|^2 of one of
+    b_big > b_small: ((b_big |G_big|^2 - b_small |G_small|^2) / (b_big - b_small),
+    (|G_small|^2 - |G_big|^2) / (1 / b_small - 1 / b_big))."""
+    signal = (b_big * big - b_small * small) / (b_big - b_small)
+    noise = (small - big) / (1 / b_small - 1 / b_big)
     return signal, noise
 
 
 class _NoiseScaleEstimate(Quantity):
-    """Shared: the step's |G|^2 and tr(S) of the global batch, from ||g_n||^2 alone."""
+    """Shared: the step's |G|^2 and tr(S) of the global batch, from ||g_n||^2 alone or, with
+    ``per_process``, from the processes' own gradients (see the module docstring).
 
-    info_keys = PER_SAMPLE_KEYS
+    Args:
+        schedule: the steps it is computed at (default: every step).
+        per_process: under data parallelism, take each process's batch of N / P samples as
+            the small batch (B_small = N / P) instead of single samples: no per-sample
+            statistics, and one number per process added over them. Needs equal batches on
+            every process; with one process it stores nan, with a warning.
+    """
+
+    def __init__(self, schedule=None, per_process: bool = False):
+        super().__init__(schedule)
+        if not isinstance(per_process, bool):
+            raise TypeError(
+                f"{self.name}(per_process={per_process!r}): per_process must be True or False."
+            )
+        self.per_process = per_process
+        self.info_keys = ("batch_size",) if per_process else PER_SAMPLE_KEYS
 
     def request(self, step: int) -> Request:
-        return Request(sq_norms=True)
+        return Request() if self.per_process else Request(sq_norms=True)
 
     def sums(self, data: StepData) -> dict[str, Tensor]:
-        """{"sq_norms": sum_n ||g_n||^2} over this process's samples, float64."""
-        return {SQ_NORMS: sum(s.sum(dtype=torch.float64) for s in data.statistics.sq_norms)}
+        """{"sq_norms": sum_n ||g_n||^2} over this process's samples, or with
+        ``per_process`` its own mean gradient's ||g_r||^2 (float64)."""
+        if not self.per_process:
+            return {SQ_NORMS: sum(s.sum(dtype=torch.float64) for s in data.statistics.sq_norms)}
+        if data.local_grads is None:
+            return {SQ_NORMS: torch.tensor(math.nan, dtype=torch.float64)}
+        local = global_norm_squared(data.local_grads).double()
+        if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r
+            local = local / data.batch_sizes[data.world.rank] ** 2
+        return {SQ_NORMS: local}
 
     def estimates(self, data: StepData) -> tuple[Tensor, Tensor]:
-        """(|G|^2, tr(S)) of the step; nan, with a warning, for a batch of one sample."""
-        sum_sq_norms = data.totals[self.name][SQ_NORMS]
+        """(|G|^2, tr(S)) of the step; nan, with a warning, where they are undefined."""
+        total = data.totals[self.name][SQ_NORMS]
         n = data.batch_size
-        if n < 2:
-            warnings.warn(
-                f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
-            )
-            nan = torch.full_like(sum_sq_norms, float("nan"))
-            return nan, nan
-        grad_sq_norm = global_norm_squared(data.mean_grad).double()
-        return signal_and_noise(sum_sq_norms, grad_sq_norm, n)
+        big = mean_gradient_sq_norm(data)
+        if self.per_process:
+            sizes, processes = set(data.batch_sizes), data.world.size
+            if processes > 1 and len(sizes) == 1:
+                return signal_and_noise(total / processes, n // processes, big, n)
+            why = "one process" if processes == 1 else f"unequal batches {data.batch_sizes}"
+        elif n >= 2:
+            return signal_and_noise(total / n, 1, big, n)
+        else:
+            why = "a batch of one sample"
+        warnings.warn(
+            f"{self.name} at step {data.step} is undefined for {why}; stored nan.", stacklevel=2
+        )
+        nan = torch.full_like(total, float("nan"))
+        return nan, nan
 
 
 class TrueGradSqNorm(_NoiseScaleEstimate):
@@ -137,9 +180,10 @@ class GradientNoiseScale(_NoiseScaleEstimate):
         schedule: the steps it is computed at (default: every step); the averages run over
             these steps.
         smoothing: beta, in [0, 1): the weight of the previous average (0: no smoothing).
+        per_process: see :class:`_NoiseScaleEstimate`.
     """
 
-    def __init__(self, schedule=None, smoothing: float = 0.9):
+    def __init__(self, schedule=None, smoothing: float = 0.9, per_process: bool = False):
         self.smoothing = checked_real(
             "GradientNoiseScale",
             "smoothing",
@@ -148,7 +192,7 @@ class GradientNoiseScale(_NoiseScaleEstimate):
             at_least=0,
             below=1,
         )
-        super().__init__(schedule)
+        super().__init__(schedule, per_process)
         # m_t of |G|^2 and of tr(S): float64 scalars, None before the first step
         self._signal_average: Tensor | None = None
         self._noise_average: Tensor | None = None

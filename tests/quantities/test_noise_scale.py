@@ -88,9 +88,13 @@ def test_the_estimates_are_the_papers_with_one_and_n_samples():
     G = torch.randn(7, 11, dtype=torch.float64) + 0.3
     n = len(G)
     small, big = G.pow(2).sum(1).mean(), G.mean(0).pow(2).sum()
-    signal, noise = signal_and_noise(G.pow(2).sum(), big, n)
+    signal, noise = signal_and_noise(small, 1, big, n)
     assert float(signal) == pytest.approx(float((n * big - 1 * small) / (n - 1)), rel=1e-14)
     assert float(noise) == pytest.approx(float((small - big) / (1 / 1 - 1 / n)), rel=1e-14)
+    # tr(S) is the unbiased sample covariance's trace, and ||g||^2 = |G|^2 + tr(S) / N
+    g = G.mean(0)
+    assert float(noise) == pytest.approx(float((G - g).pow(2).sum() / (n - 1)), rel=1e-12)
+    assert float(big) == pytest.approx(float(signal + noise / n), rel=1e-12)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -202,7 +206,7 @@ def test_a_batch_of_one_stores_nan_with_a_warning():
             losses.mean().backward()
     messages = [str(w.message) for w in caught]
     for name in ("GradientNoiseScale", "TrueGradSqNorm"):
-        assert f"{name} needs a batch of at least 2 samples; stored nan." in messages
+        assert f"{name} at step 0 is undefined for a batch of one sample; stored nan." in messages
     values = cockpit.get_output()[0]
     assert math.isnan(values["GradientNoiseScale"]) and math.isnan(values["TrueGradSqNorm"])
     assert [float(v) for v in q.state_dict().values()] == [0.0, 0.0]  # nothing averaged
@@ -321,3 +325,16 @@ def test_under_data_parallelism_the_batch_is_the_global_one(tmp_path):
             assert output[step]["GradientNoiseScale"] == pytest.approx(
                 expected[step]["GradientNoiseScale"], rel=1e-9
             )
+
+
+def test_the_per_process_form_needs_several_processes():
+    with pytest.raises(TypeError, match="per_process must be True or False"):
+        Q.GradientNoiseScale(per_process="yes")
+    model, X, y, loss_fn = models.mlp(n=4)
+    cockpit = Cockpit(model, [Q.GradientNoiseScale(per_process=True)])
+    losses = loss_fn(model(X), y)
+    with pytest.warns(UserWarning, match="undefined for one process"):
+        with cockpit(0, info={"loss": losses.mean(), "batch_size": 4}):
+            losses.mean().backward()
+    value = cockpit.get_output()[0]["GradientNoiseScale"]
+    assert value != value
