@@ -73,7 +73,8 @@ class Cockpit:
     receive the values on rank 0 only; a ``log`` path holding ``{rank}`` gives each process its
     own log (and its sinks the values). Under DDP, a step that differentiates the gradient again
     runs its forward and backward in ``no_sync()``, and the cockpit averages the gradients as
-    DDP would, in one all-reduce.
+    DDP would, in one all-reduce. Under FSDP (``fully_shard``) the quantities of
+    ``SHARDED_QUANTITIES`` are computed from the shards; the others are refused.
     """
 
     def __init__(
@@ -106,7 +107,7 @@ class Cockpit:
             if exist not in EXIST_MODES:
                 raise ValueError(f"exist must be one of {EXIST_MODES}, got {exist!r}.")
         model, self._ddp = unwrap(model)
-        _refuse_sharded(model)
+        self._sharded = _sharded(model, quantities)
         _check_ddp_options(self._ddp, quantities)
         self._world = current_world()
         self.model = model
@@ -171,6 +172,12 @@ class Cockpit:
             request = request | q.request(step)
         reduction, n = self._validate(step, info, active)
         batch = self._global_batch(info["loss"].detach(), reduction, n)
+        if self._sharded and len(set(batch.sizes)) > 1:
+            raise ValueError(
+                f"Step {step}: the processes' batches have {list(batch.sizes)} samples; with "
+                "FSDP's sharded parameters the cockpit needs equal batches (FSDP averages the "
+                "processes' gradients, which is the global batch's only then)."
+            )
         finite = batch.finite
         if finite:
             _check_loss_graphs(step, info, active, self._capture, self.model)
@@ -184,7 +191,7 @@ class Cockpit:
         handles = []
         if request and finite:
             capture.record_gradients()
-        if (request and finite) or self._world.size > 1:
+        if (request and finite) or (self._world.size > 1 and not self._sharded):
             # DDP may overwrite the tensor its hook saw with the average: keep a copy
             keep = _store_copy_into if self._ddp is not None else _store_into
             handles = [p.register_hook(keep(gradients, k)) for k, p in enumerate(self.params)]
@@ -474,7 +481,7 @@ class Cockpit:
         losses = info.get("individual_losses")
         data = StepData(
             step=step,
-            params=[p.detach() for p in self.params],
+            params=[_local(p).detach() for p in self.params],
             names=self.param_names,
             loss=batch.loss,
             info=info,
@@ -489,8 +496,9 @@ class Cockpit:
             active=tuple(active),
             world=self._world,
             batch_sizes=batch.sizes,
+            sharded=self._sharded,
         )
-        if self._world.size > 1:
+        if self._world.size > 1 and not self._sharded:
             data.local_grads = [
                 g if g is not None else torch.zeros_like(p)
                 for g, p in zip(gradients, self.params, strict=True)
@@ -568,13 +576,18 @@ class Cockpit:
         world = self._world
         if world.size == 1:
             return [
-                p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self.params
+                _local(p.grad).detach() if p.grad is not None else torch.zeros_like(_local(p))
+                for p in self.params
             ]
         local = [
             g if g is not None else torch.zeros_like(p) for g, p in zip(gradients, self.params)
         ]
-        if self._ddp is not None and self._no_sync is None and len(set(batch.sizes)) == 1:
-            averaged = [p.grad.detach() for p in self.params]
+        synced = self._sharded or (self._ddp is not None and self._no_sync is None)
+        if synced and len(set(batch.sizes)) == 1:
+            averaged = [
+                _local(p.grad).detach() if p.grad is not None else torch.zeros_like(_local(p))
+                for p in self.params
+            ]
             return averaged if reduction == "mean" else [g * world.size for g in averaged]
         if self._ddp is not None and self._no_sync is not None and len(set(batch.sizes)) == 1:
             # equal batches: the all-reduce DDP skipped gives both (sum_r g_r / W is DDP's
@@ -703,23 +716,42 @@ def _check_ddp_options(ddp, quantities: list[Quantity]) -> None:
         )
 
 
-def _refuse_sharded(model: nn.Module) -> None:
+# What a cockpit computes on parameters FSDP shards (each process holds a shard of each).
+SHARDED_QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "Time")
+
+
+def _sharded(model: nn.Module, quantities: list[Quantity]) -> bool:
+    """Whether ``model``'s parameters are sharded by FSDP (``fully_shard``); refuse the
+    quantities that need whole parameters, and FullyShardedDataParallel's flat parameters."""
+    from torch.distributed.tensor import DTensor
+
     try:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # torch built without distributed
-        return
-    sharded = [
-        name or "the model"
-        for name, m in model.named_modules()
-        if isinstance(m, FSDPModule | FullyShardedDataParallel)
-    ]
-    if sharded:
+        FullyShardedDataParallel = ()  # noqa: N806
+    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
         raise TypeError(
-            f"Cockpit: {sharded[0]} is sharded by FSDP, whose parameters each process holds "
-            "only a shard of; the cockpit's quantities need every parameter whole. Track the "
-            "model under DistributedDataParallel instead (every quantity is the global "
-            "batch's there)."
+            "Cockpit: the model is wrapped in FullyShardedDataParallel, whose flattened "
+            "parameters the cockpit cannot name. Shard it with "
+            "torch.distributed.fsdp.fully_shard instead, or use DistributedDataParallel."
         )
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return False
+    unsupported = [q.name for q in quantities if q.name not in SHARDED_QUANTITIES]
+    if unsupported:
+        raise TypeError(
+            f"Cockpit: the model's parameters are sharded by FSDP (fully_shard), and "
+            f"{', '.join(unsupported)} need every parameter whole (per-sample gradients, "
+            f"second moments, curvature). Under FSDP the cockpit computes "
+            f"{', '.join(SHARDED_QUANTITIES)}; for the others, train under "
+            "DistributedDataParallel."
+        )
+    return True
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This process's part of a (sharded) parameter or gradient."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _is_step(step) -> bool:

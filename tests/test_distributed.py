@@ -251,3 +251,42 @@ def test_the_cheap_noise_scale_takes_the_processes_batches_as_the_small_ones(tmp
     for output in outputs:
         assert output["GradCovTrace"] == pytest.approx(float(noise), rel=1e-10)
         assert output["TrueGradSqNorm"] == pytest.approx(float(signal), rel=1e-10)
+
+
+def sharded_rank(rank, world, sizes, names):
+    from torch.distributed.fsdp import fully_shard
+
+    model, _, _, loss_fn = models.mlp(n=2)
+    fully_shard(model)
+    try:
+        cockpit = Cockpit(model, [getattr(quantities, name)() for name in names])
+    except TypeError as error:
+        return str(error)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step, (X, y) in enumerate(batches("mlp", sizes)):
+        opt.zero_grad()
+        losses = loss_fn(model(split(X, sizes, rank)), split(y, sizes, rank))
+        info = {"loss": losses.mean(), "individual_losses": losses, "optimizer": opt}
+        try:
+            with cockpit(step, info=info):
+                losses.mean().backward()
+        except ValueError as error:
+            return str(error)
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output()
+
+
+def test_under_fsdp_the_first_order_quantities_are_the_global_batch_s(tmp_path):
+    names = ("Loss", "GradNorm", "Distance", "UpdateSize")
+    expected, _ = single_process("mlp", names, (3, 3))
+    for output in on_ranks(sharded_rank, 2, tmp_path, (3, 3), names):
+        assert_equal_outputs(output, expected)
+
+
+def test_under_fsdp_the_others_are_refused_by_name(tmp_path):
+    refused, _ = on_ranks(sharded_rank, 2, tmp_path, (3, 3), ("Loss", "NormTest"))
+    assert "sharded by FSDP" in refused and "NormTest need" in refused
+    assert "Loss, GradNorm, Distance, UpdateSize, Time" in refused
+    outcomes = on_ranks(sharded_rank, 2, tmp_path / "unequal", (3, 2), ("Loss", "GradNorm"))
+    assert all("needs equal batches" in outcome for outcome in outcomes)

@@ -85,6 +85,8 @@ class StepData:
         totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
         local_grads: under data parallelism, this process's gradient of its own loss (before
             any all-reduce), per tracked parameter; None with one process.
+        sharded: whether each process holds only a shard of each parameter (FSDP):
+            ``params`` and ``grads`` are then this process's shards.
     """
 
     step: int
@@ -109,6 +111,7 @@ class StepData:
     batch_sizes: tuple[int, ...] = ()
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     local_grads: list[Tensor] | None = None
+    sharded: bool = False
     _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -294,12 +297,25 @@ def global_norm_squared(tensors: list[Tensor]) -> Tensor:
     return sum(torch.linalg.vector_norm(t).square() for t in tensors)
 
 
-def per_parameter_norms(tensors: list[Tensor]) -> Tensor:
-    """[||t_1||, ..., ||t_K||] as one tensor (one host transfer when converted)."""
-    return torch.stack([t.norm() for t in tensors])
+def per_parameter_norms(tensors: list[Tensor], data: StepData | None = None) -> Tensor:
+    """[||t_1||, ..., ||t_K||] as one tensor (one host transfer when converted); of the whole
+    parameters when ``data`` says they are sharded (see :func:`whole_norms`)."""
+    return whole_norms(torch.stack([t.norm() for t in tensors]), data)
 
 
-def per_parameter_distances(a: list[Tensor], b: list[Tensor]) -> Tensor:
+def per_parameter_distances(
+    a: list[Tensor], b: list[Tensor], data: StepData | None = None
+) -> Tensor:
     """[||a_1 - b_1||, ..., ||a_K - b_K||] as one tensor; one difference exists at a time (the
-    differences of all parameters at once would be a model-sized temporary)."""
-    return torch.stack([(x - y).norm() for x, y in zip(a, b, strict=True)])
+    differences of all parameters at once would be a model-sized temporary). Of the whole
+    parameters when ``data`` says they are sharded."""
+    return whole_norms(torch.stack([(x - y).norm() for x, y in zip(a, b, strict=True)]), data)
+
+
+def whole_norms(norms: Tensor, data: StepData | None) -> Tensor:
+    """The norms of whole parameters from their shards' (FSDP): sqrt(sum_r ||shard_r||^2),
+    one collective; ``norms`` as they are otherwise."""
+    if data is None or not data.sharded:
+        return norms
+    (squares,) = data.sum_over_processes([norms.double().square()])
+    return squares.sqrt().to(norms.dtype)

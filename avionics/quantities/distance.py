@@ -24,11 +24,11 @@ class Distance(Quantity):
 
     def compute(self, data: StepData):
         if self.initial is not None:
-            return {data.step: per_parameter_distances(data.params, self.initial)}
+            return {data.step: per_parameter_distances(data.params, self.initial, data)}
         start = data.params_copy()
         # ||theta - theta|| is 0 where theta is finite, nan where it is not: the check is the
         # value itself (one host transfer, at the start steps only)
-        distances = per_parameter_distances(data.params, start)
+        distances = per_parameter_distances(data.params, start, data)
         if bool(torch.isfinite(distances).all()):
             self.initial = start
         return {data.step: distances}

@@ -13,4 +13,4 @@ class GradNorm(Quantity):
     output = per_parameter("rss")
 
     def compute(self, data: StepData):
-        return {data.step: per_parameter_norms(data.mean_grad)}
+        return {data.step: per_parameter_norms(data.mean_grad, data)}

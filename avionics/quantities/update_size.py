@@ -18,4 +18,4 @@ class UpdateSize(TwoStepQuantity):
         return data.params_copy()
 
     def finish(self, kept, data: StepData):
-        return per_parameter_distances(data.params, kept)
+        return per_parameter_distances(data.params, kept, data)
