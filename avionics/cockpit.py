@@ -263,7 +263,7 @@ class Cockpit:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` into a cockpit with the same quantities (checked before
-        anything changes)."""
+        anything changes; a state one quantity refuses leaves every quantity as it was)."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(
                 "Cockpit.load_state_dict takes what Cockpit.state_dict returned (version "
@@ -275,8 +275,14 @@ class Cockpit:
                 f"The saved cockpit had the quantities {sorted(saved)}, this one has "
                 f"{sorted(ours)}: build the cockpit with the same quantities to resume."
             )
-        for q in self.quantities:
-            q.load_state_dict(saved[q.name])
+        before = {q.name: q.state_dict() for q in self.quantities}
+        try:
+            for q in self.quantities:
+                q.load_state_dict(saved[q.name])
+        except BaseException:  # a state a quantity refuses: the others as they were
+            for q in self.quantities:
+                q.load_state_dict(before[q.name])
+            raise
         self._restored = True
 
     def close(self) -> None:

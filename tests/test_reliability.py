@@ -323,3 +323,15 @@ def test_untracked_schedules_keep_the_arming_after_an_interruption():
         tracked_step(cockpit, model, X, y, loss_fn, step)
         model.zero_grad()
     assert sorted(cockpit.get_output()) == [2]
+
+
+def test_a_state_one_quantity_refuses_leaves_every_quantity_as_it_was():
+    model, X, y, loss_fn = models.mlp(n=3)
+    cockpit = Cockpit(model, [quantities.Distance(), quantities.GradientNoiseScale()])
+    tracked_step(cockpit, model, X, y, loss_fn, 0)
+    state = cockpit.state_dict()
+    fresh = Cockpit(model, [quantities.Distance(), quantities.GradientNoiseScale()])
+    state["quantities"]["GradientNoiseScale"] = {"signal_average": "bad"}
+    with pytest.raises((TypeError, ValueError)):
+        fresh.load_state_dict(state)
+    assert fresh.quantities[0].initial is None  # Distance was not restored either
