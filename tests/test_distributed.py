@@ -49,14 +49,18 @@ def optimizer(model, names):
     return (torch.optim.SGD if plain else MeasuredSGD)(model.parameters(), lr=0.05)
 
 
-def ddp_gradient(model, losses, sizes):
-    """What DDP leaves in p.grad: the average over processes of their mean losses' gradients."""
+def reduced(losses, reduction):
+    return losses.mean() if reduction == "mean" else losses.sum()
+
+
+def ddp_gradient(model, losses, sizes, reduction="mean"):
+    """What DDP leaves in p.grad: the average over processes of their losses' gradients."""
     shares = losses.split(list(sizes))
-    objective = sum(share.mean() for share in shares) / len(sizes)
+    objective = sum(reduced(share, reduction) for share in shares) / len(sizes)
     return torch.autograd.grad(objective, list(model.parameters()), retain_graph=True)
 
 
-def single_process(architecture, names, sizes):
+def single_process(architecture, names, sizes, reduction="mean"):
     """The reference: one process, the global batch, and the update DDP makes."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
     cockpit = Cockpit(model, make_quantities(names))
@@ -64,9 +68,9 @@ def single_process(architecture, names, sizes):
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         opt.zero_grad()
         losses = loss_fn(model(X), y)
-        loss = losses.mean()
+        loss = reduced(losses, reduction)
         info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
-        update = ddp_gradient(model, losses, sizes)
+        update = ddp_gradient(model, losses, sizes, reduction)
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
         for p, g in zip(model.parameters(), update):
@@ -76,7 +80,7 @@ def single_process(architecture, names, sizes):
     return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
 
 
-def one_rank(rank, world, architecture, names, sizes, wrap, options, log):
+def one_rank(rank, world, architecture, names, sizes, wrap, options, log, reduction="mean"):
     """One process of a data-parallel run: its shard of each batch, DDP (``wrap``) with
     ``options`` or the plain model with the gradients averaged by hand."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
@@ -87,7 +91,7 @@ def one_rank(rank, world, architecture, names, sizes, wrap, options, log):
         X, y = split(X, sizes, rank), split(y, sizes, rank)
         opt.zero_grad()
         losses = loss_fn(forward(X), y)
-        loss = losses.mean()
+        loss = reduced(losses, reduction)
         info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
         with cockpit(step, info=info):
             loss.backward(create_graph=cockpit.create_graph(step))
@@ -104,7 +108,7 @@ def one_rank(rank, world, architecture, names, sizes, wrap, options, log):
 def scenarios_on_ranks(rank, world, scenarios, tmp):
     """Every scenario in one spawn (starting processes is what costs)."""
     return [
-        one_rank(rank, world, *scenario, log=f"{tmp}/{k}/run")
+        one_rank(rank, world, *scenario[:5], f"{tmp}/{k}/run", *scenario[5:])
         for k, scenario in enumerate(scenarios)
     ]
 
@@ -134,7 +138,8 @@ ECONOMY_AND_CURVATURE = (
     *("OrthoTest", "UpdateSize", "HessMaxEV", "MeanGSNR", "GradientNoiseScale", "TICTrace"),
 )
 
-# (architecture, quantity names or None for "full", per-process batch sizes, DDP, its options)
+# (architecture, quantity names or None for "full", per-process batch sizes, DDP, its options,
+# and the loss's reduction when it is not the mean)
 SCENARIOS = {
     2: [
         ("mlp", None, (4, 4), True, {}),
@@ -146,6 +151,8 @@ SCENARIOS = {
         ("mlp", FIRST_ORDER, (3, 3), True, {"find_unused_parameters": True}),
         ("mlp", FIRST_ORDER, (3, 4), False, {}),
         ("mlp", PLAIN_SGD_ONLY, (3, 4), True, {}),
+        ("mlp", None, (4, 2), True, {}, "sum"),
+        ("cnn", ECONOMY_AND_CURVATURE, (3, 3), True, {}, "sum"),
     ],
     3: [("mlp", None, (3, 2, 4), True, {})],
 }
@@ -155,8 +162,9 @@ SCENARIOS = {
 def test_every_quantity_is_the_global_batch_s(tmp_path, world):
     scenarios = SCENARIOS[world]
     results = on_ranks(scenarios_on_ranks, world, tmp_path, scenarios, str(tmp_path))
-    for k, (architecture, names, sizes, _, _) in enumerate(scenarios):
-        expected, params = single_process(architecture, names, sizes)
+    for k, (architecture, names, sizes, *rest) in enumerate(scenarios):
+        reduction = rest[2] if len(rest) > 2 else "mean"
+        expected, params = single_process(architecture, names, sizes, reduction)
         for rank in range(world):
             output, final = results[rank][k]
             assert_equal_outputs(output, expected)
