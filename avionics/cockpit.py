@@ -192,8 +192,9 @@ class Cockpit:
         if request and finite:
             capture.record_gradients()
         if (request and finite) or (self._world.size > 1 and not self._sharded):
-            # DDP may overwrite the tensor its hook saw with the average: keep a copy
-            keep = _store_copy_into if self._ddp is not None else _store_into
+            # DDP may overwrite the tensor its hook saw with the average (also when the
+            # cockpit was given the module DDP wraps): keep a copy
+            keep = _store_copy_into if self._world.size > 1 else _store_into
             handles = [p.register_hook(keep(gradients, k)) for k, p in enumerate(self.params)]
         with self._interruptible(step, capture):
             try:

@@ -85,7 +85,8 @@ def one_rank(rank, world, architecture, names, sizes, wrap, options, log, reduct
     ``options`` or the plain model with the gradients averaged by hand."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
     forward = nn.parallel.DistributedDataParallel(model, **options) if wrap else model
-    cockpit = Cockpit(forward, make_quantities(names), log=log)
+    # wrap == "module": trained through DDP, but the cockpit is given the module it wraps
+    cockpit = Cockpit(model if wrap == "module" else forward, make_quantities(names), log=log)
     opt = optimizer(model, names)
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         X, y = split(X, sizes, rank), split(y, sizes, rank)
@@ -150,6 +151,7 @@ SCENARIOS = {
         ("mlp", FIRST_ORDER, (3, 3), True, {"static_graph": True}),
         ("mlp", FIRST_ORDER, (3, 3), True, {"find_unused_parameters": True}),
         ("mlp", FIRST_ORDER, (3, 4), False, {}),
+        ("mlp", FIRST_ORDER_PER_SAMPLE, (3, 4), "module", {"gradient_as_bucket_view": True}),
         ("mlp", PLAIN_SGD_ONLY, (3, 4), True, {}),
         ("mlp", None, (4, 2), True, {}, "sum"),
         ("cnn", ECONOMY_AND_CURVATURE, (3, 3), True, {}, "sum"),
