@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from avionics.configurations import configuration
+from avionics.curvature._data import MathAttention
 from avionics.distributed import all_processes, current_world, sum_over_processes, unwrap
 from avionics.persample import PerSampleEngine, Request, Statistics
 from avionics.persample.request import MEAN_GRADIENT
@@ -114,7 +115,9 @@ class Cockpit:
         self.quantities = quantities
         self.params, self.param_names = _tracked_parameters(model, params)
         self._engine = PerSampleEngine(model, self.params)
-        self._no_sync = None  # DDP's no_sync() context, entered for a step that needs it
+        # entered for a step that differentiates the gradient again (see _keep_graph_if)
+        self._graph_step = None
+        self._no_sync = None
         self._ddp_average: list[Tensor] | None = None
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
         self._unconverted: list[tuple[int, str]] = []
@@ -140,7 +143,7 @@ class Cockpit:
         self._sinks = sinks
         if first_step is None:
             self._arm_if(any(type(q).request is not Quantity.request for q in quantities))
-            self._sync_if(not any(q.create_graph for q in quantities))
+            self._keep_graph_if(any(q.create_graph for q in quantities))
         else:
             self._arm_for(first_step)
 
@@ -294,7 +297,7 @@ class Cockpit:
             self._capture = None
         for sink in self._sinks:
             sink.close()
-        self._sync_if(True)
+        self._keep_graph_if(False)
         self._closed = True
 
     # ------------------------------------------------------------------ internals
@@ -403,7 +406,7 @@ class Cockpit:
 
     def _arm_for(self, step: int) -> None:
         self._arm_if(self._needs_capture(step))
-        self._sync_if(not self.create_graph(step))
+        self._keep_graph_if(self.create_graph(step))
 
     def _arm_if(self, needed: bool) -> None:
         self._disarm()
@@ -644,16 +647,22 @@ class Cockpit:
             out[q][name] = totals[id(sums[q][name])]
         return out
 
-    def _sync_if(self, sync: bool) -> None:
-        """Under DDP: leave or enter no_sync() for the next step's forward and backward."""
-        if self._ddp is None:
-            return
-        if sync and self._no_sync is not None:
-            self._no_sync.__exit__(None, None, None)
-            self._no_sync = None
-        elif not sync and self._no_sync is None:
-            self._no_sync = self._ddp.no_sync()
-            self._no_sync.__enter__()
+    def _keep_graph_if(self, needed: bool) -> None:
+        """Prepare the next step's forward and backward for a second differentiation, or
+        stop: the math kernel of scaled_dot_product_attention (the fused CPU kernels have no
+        double backward), and under DDP its no_sync() (DDP refuses create_graph)."""
+        if needed and self._graph_step is None:
+            self._graph_step = MathAttention()
+            self._graph_step.__enter__()
+            if self._ddp is not None:
+                self._no_sync = self._ddp.no_sync()
+                self._no_sync.__enter__()
+        elif not needed and self._graph_step is not None:
+            if self._no_sync is not None:
+                self._no_sync.__exit__(None, None, None)
+                self._no_sync = None
+            self._graph_step.__exit__(None, None, None)
+            self._graph_step = None
 
     def _store(self, values: dict[int, dict[str, Any]]) -> None:
         """Keep a step's values and hand them to the sinks, converted once.

@@ -34,7 +34,7 @@ from avionics.curvature import (
     MCFisherOperator,
     TransposedJacobianOperator,
 )
-from avionics.curvature._data import math_attention
+from avionics.curvature._data import MathAttention
 from benchmarks.report import machine, table, write_section
 
 COLUMNS = 16
@@ -284,7 +284,7 @@ def run(problems: list[str], repeats: dict[str, int]) -> str:
             print(f"{name}: {kind}", flush=True)
             # curvlinops cannot differentiate through the fused attention kernels (forward
             # mode, double backward); select the math kernel for it as avionics does itself.
-            with math_attention():
+            with MathAttention():
                 results = measure(factories, repeats[name], warm_up)
             warm_up = False
             ours, ref = results["ours"], results["ref"]

@@ -129,7 +129,6 @@ FIRST_ORDER = ("Loss", "GradNorm", "Distance", "UpdateSize")
 # plain SGD assumes the update is -lr times the gradient the cockpit saw: the reference is
 # updated with DDP's gradient)
 PLAIN_SGD_ONLY = ("CABS", "EarlyStopping", "MeanGSNR", "Loss")
-# the transformer's attention kernel has no second derivative on CPU (the integrations issue)
 FIRST_ORDER_PER_SAMPLE = (
     *("Alpha", "Distance", "GradHist1d", "GradNorm", "InnerTest", "Loss", "NormTest"),
     *("OrthoTest", "UpdateSize", "MeanGSNR", "GradientNoiseScale", "GradHist2d"),
@@ -147,6 +146,7 @@ SCENARIOS = {
         ("mlp", None, (5, 2), True, {}),
         ("cnn", ECONOMY_AND_CURVATURE, (3, 2), True, {"gradient_as_bucket_view": True}),
         ("transformer", FIRST_ORDER_PER_SAMPLE, (2, 3), True, {"find_unused_parameters": True}),
+        ("transformer", ("Loss", "HessMaxEV", "TICTrace"), (2, 2), True, {}),
         ("mlp", FIRST_ORDER, (3, 3), True, {"gradient_as_bucket_view": True}),
         ("mlp", FIRST_ORDER, (3, 3), True, {"static_graph": True}),
         ("mlp", FIRST_ORDER, (3, 3), True, {"find_unused_parameters": True}),

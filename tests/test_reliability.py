@@ -335,3 +335,48 @@ def test_a_state_one_quantity_refuses_leaves_every_quantity_as_it_was():
     with pytest.raises((TypeError, ValueError)):
         fresh.load_state_dict(state)
     assert fresh.quantities[0].initial is None  # Distance was not restored either
+
+
+class EncoderClassifier(nn.Module):
+    """nn.TransformerEncoderLayer (scaled_dot_product_attention inside) and a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.TransformerEncoderLayer(4, 2, 6, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+def test_curvature_instruments_run_on_standard_attention_and_restore_its_kernels():
+    from test_fault_injection import dense_hessian
+
+    from avionics.curvature._data import MathAttention
+
+    torch.manual_seed(0)
+    model = EncoderClassifier().double()
+    X, y = torch.randn(4, 5, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss_fn = lambda o, t: F.cross_entropy(o, t, reduction="none")  # noqa: E731
+    flags = torch.backends.cuda.flash_sdp_enabled(), torch.backends.mha.get_fastpath_enabled()
+    cockpit = Cockpit(model, [quantities.HessMaxEV(tol=1e-8)])
+    tracked_step(cockpit, model, X, y, loss_fn, 0)
+    cockpit.close()
+    theta = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    with MathAttention():  # the reference's double backward needs it too
+        top = float(torch.linalg.eigvalsh(dense_hessian(model, X, y, loss_fn, theta))[-1])
+    assert cockpit.get_output()[0]["HessMaxEV"] == pytest.approx(top, rel=1e-6)
+    assert (
+        torch.backends.cuda.flash_sdp_enabled(),
+        torch.backends.mha.get_fastpath_enabled(),
+    ) == flags
+
+
+def test_python_dash_m_avionics_is_the_command_line():
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "avionics", "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and "usage: avionics" in result.stdout

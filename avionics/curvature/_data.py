@@ -27,7 +27,6 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value, vmap
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
 from avionics.curvature._distributed import data_world, sum_on_every_process
@@ -42,28 +41,45 @@ DETERMINISM_RTOL, DETERMINISM_ATOL = 1e-5, 1e-7
 CHUNK_SIZE_INSTEAD = "pass None to multiply all columns at once"
 
 
-@contextmanager
-def math_attention():
-    """Attention that automatic differentiation can go through in every mode.
+class MathAttention:
+    """Attention that automatic differentiation can go through in every mode, while entered
+    (``with MathAttention():``, or entered and exited apart: the cockpit keeps it from one
+    step's end to the next step's for a forward it does not run).
 
     Selects the math kernel of ``scaled_dot_product_attention`` (the fused CPU kernels have no
     double backward) and turns off the fast path of ``nn.MultiheadAttention`` (a fused kernel
-    without forward-mode derivatives, taken whenever autograd is not recording).
+    without forward-mode derivatives, taken whenever autograd is not recording). The flags are
+    torch's global ones, saved on entering and restored on exiting.
     """
-    fast_path = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(fast_path)
+
+    _FLAGS = (
+        (torch.backends.mha.get_fastpath_enabled, torch.backends.mha.set_fastpath_enabled),
+        (torch.backends.cuda.flash_sdp_enabled, torch.backends.cuda.enable_flash_sdp),
+        (
+            torch.backends.cuda.mem_efficient_sdp_enabled,
+            torch.backends.cuda.enable_mem_efficient_sdp,
+        ),
+        (torch.backends.cuda.cudnn_sdp_enabled, torch.backends.cuda.enable_cudnn_sdp),
+        (torch.backends.cuda.math_sdp_enabled, torch.backends.cuda.enable_math_sdp),
+    )
+    _MATH = (False, False, False, False, True)
+
+    def __enter__(self) -> MathAttention:
+        self._saved = [get() for get, _ in self._FLAGS]
+        for (_, set_flag), value in zip(self._FLAGS, self._MATH, strict=True):
+            set_flag(value)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        for (_, set_flag), value in zip(self._FLAGS, self._saved, strict=True):
+            set_flag(value)
 
 
 @contextmanager
 def functional_pass():
     """The context of a torch.func pass: math attention, and no autograd graph outside the
     transforms (the module's own parameters that are not differentiated may require grad)."""
-    with torch.no_grad(), math_attention():
+    with torch.no_grad(), MathAttention():
         yield
 
 

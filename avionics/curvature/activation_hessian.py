@@ -16,10 +16,10 @@ from torch import Tensor, nn
 
 from avionics.curvature._data import (
     CHUNK_SIZE_INSTEAD,
+    MathAttention,
     check_batch,
     check_positive_int,
     forward_keeping_buffers,
-    math_attention,
 )
 from avionics.curvature._distributed import refuse_distributed
 from avionics.curvature.base import CurvatureLinearOperator
@@ -138,7 +138,7 @@ class ActivationHessianOperator(CurvatureLinearOperator):
             modules[module_name], io, index, activation
         )  # fmt: skip
         self._X, self._y = batches[0]
-        with math_attention():
+        with MathAttention():
             self._Z, loss = self._forward()
             (self._loss_gradient,) = torch.autograd.grad(loss, self._Z, create_graph=True)
             if check_deterministic:
@@ -202,7 +202,7 @@ class ActivationHessianOperator(CurvatureLinearOperator):
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         chunks = M[0].split(self._chunk_size or len(M[0]))  # columns [K, *Z]
-        with math_attention():
+        with MathAttention():
             return [torch.cat([self._hessian_columns(chunk) for chunk in chunks])]
 
     def _hessian_columns(self, V: Tensor) -> Tensor:

@@ -12,11 +12,11 @@ from torch import Tensor, nn
 from torch.func import grad
 
 from avionics.curvature._data import (
+    MathAttention,
     ModelDataOperator,
     check_positive_int,
     check_seed,
     forward_keeping_buffers,
-    math_attention,
 )
 from avionics.curvature._losses import (
     batch_generator,
@@ -201,7 +201,7 @@ class KFACOperator(ModelDataOperator):
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
         capture = Capture(self._model, layers)
-        with math_attention():
+        with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
                 output, calls = self._forward(X, capture, layers)
                 generator = batch_generator(self._seed, index, self.device)
