@@ -10,8 +10,9 @@ the protocol has no other way to keep it (``create_graph=True`` implies ``retain
 that costs is in BENCHMARKS.md.
 
 With h the curvature diagonal of the mean loss over the batch, also when the user's loss is
-their sum (selectable, see :mod:`avionics.curvature.step`: ``"diag_h"`` exact Hessian diagonal
-(default), ``"diag_ggn_exact"``, ``"diag_ggn_mc"`` seedable) and m2_d = mean_n g_{n,d}^2, g_n
+their sum (selectable, see :mod:`avionics.curvature.step`: ``"auto"``, the default, chosen
+at the first step by its cost (:func:`choose_variant`); ``"diag_h"`` exact Hessian diagonal,
+``"diag_ggn_exact"``, ``"diag_ggn_mc"`` seedable) and m2_d = mean_n g_{n,d}^2, g_n
 the gradient of the per-sample loss l_n:
 
     HessTrace = per parameter sum_d h_d
@@ -31,6 +32,8 @@ None of them touches the global random number generator.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import Tensor
 
@@ -41,6 +44,7 @@ from avionics.curvature.step.hessian_diagonal import (
     hessian_diagonal_by_probes,
     not_piecewise_linear,
 )
+from avionics.curvature.step.loss_root import MAX_OUTPUT_SIZE
 from avionics.persample import Request
 from avionics.quantities.arguments import checked_int, checked_seed
 from avionics.quantities.base import Quantity, StepData, flat_sum_sq
@@ -68,14 +72,80 @@ def _graph_grads(quantity: Quantity, data: StepData) -> list[Tensor]:
     ]
 
 
+AUTO = "auto"
+# "auto" takes the exact Hessian diagonal while its Hessian-vector products (one per
+# parameter element, batched) stay this few,
+AUTO_MAX_PROBES = 2048
+# and else the exact GGN diagonal while a sample's output has this few entries (one backward
+# pass of the network each); the Monte-Carlo GGN diagonal otherwise (mc_samples passes).
+AUTO_MAX_COLUMNS = 64
+
+
+def output_entries(data: StepData) -> int | None:
+    """M, the entries of one sample's output in the step's one captured forward of the model;
+    None when the GGN diagonals cannot run (no single forward with one output, batch first)."""
+    calls = data.captured.calls.get(data.model, []) if data.captured is not None else []
+    if len(calls) != 1 or len(calls[0].nodes) != 1:
+        return None
+    root = calls[0]
+    shape = root.outputs[root.node_outputs[0]].shape
+    n = len(data.individual_losses)
+    if shape[root.batch_axis] != n:
+        return None
+    return shape.numel() // n
+
+
+def ggn_variants_that_work(data: StepData) -> list[str]:
+    """The GGN diagonal variants this step's model and output allow."""
+    m = output_entries(data)
+    if m is None:
+        return []
+    return ["diag_ggn_exact", "diag_ggn_mc"] if m <= MAX_OUTPUT_SIZE else ["diag_ggn_mc"]
+
+
+def choose_variant(data: StepData) -> tuple[str, str]:
+    """(variant, why) for curvature="auto", by the cost of a step: the exact Hessian diagonal
+    costs one Hessian-vector product per parameter element unless the network is piecewise
+    linear (then it is the exact GGN diagonal's M backward passes, M the entries of a sample's
+    output); the Monte-Carlo GGN diagonal costs mc_samples passes whatever M."""
+    dim = sum(p.numel() for p in data.params)
+    m = output_entries(data)
+    bad = not_piecewise_linear(data.model)
+    if not bad:
+        if m is not None and m <= AUTO_MAX_COLUMNS:
+            return "diag_h", (
+                f"the network is piecewise linear in each weight, so the exact Hessian "
+                f"diagonal is the GGN's, {m} backward passes per step"
+            )
+        if m is None:
+            return "diag_h", "the network is piecewise linear and its output is not one tensor"
+    elif dim <= AUTO_MAX_PROBES:
+        return "diag_h", f"the exact Hessian diagonal takes {dim} Hessian-vector products"
+    exact_hessian = (
+        f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
+        f"(not piecewise linear: {', '.join(bad[:3])})"
+        if bad
+        else "the exact Hessian diagonal is the GGN's here"
+    )
+    if m is not None and m <= AUTO_MAX_COLUMNS:
+        return "diag_ggn_exact", f"{exact_hessian}; the exact GGN diagonal takes {m}"
+    if m is None:
+        return "diag_h", f"{exact_hessian}, but the GGN diagonals need one output tensor"
+    return "diag_ggn_mc", (
+        f"{exact_hessian}; the exact GGN diagonal would take {m} backward passes (one per "
+        "entry of a sample's output), the Monte-Carlo one takes mc_samples"
+    )
+
+
 class _Curvature(Quantity):
     """Shared: the curvature diagonal h of the mean loss over the batch (also for a
     sum-reduced loss), computed once per step.
 
     Args:
         schedule: the steps to track (default every step).
-        curvature: ``"diag_h"`` (exact Hessian diagonal), ``"diag_ggn_exact"`` or
-            ``"diag_ggn_mc"`` (see :mod:`avionics.curvature.step`).
+        curvature: ``"auto"`` (default: chosen at the first step by its cost, see
+            :func:`choose_variant`, and said once), ``"diag_h"`` (exact Hessian diagonal),
+            ``"diag_ggn_exact"`` or ``"diag_ggn_mc"`` (see :mod:`avionics.curvature.step`).
         mc_samples: draws per step of the MC GGN diagonal, >= 1.
         seed: the MC draws' seed (with the step number; the global RNG is untouched), in
             [0, 2**32).
@@ -90,18 +160,19 @@ class _Curvature(Quantity):
     def __init__(
         self,
         schedule: Schedule | None = None,
-        curvature: str = "diag_h",
+        curvature: str = AUTO,
         mc_samples: int = 1,
         seed: int = 0,
         max_probes: int = MAX_PROBES,
     ):
         super().__init__(schedule)
-        if curvature not in VARIANTS:
+        if curvature not in (AUTO, *VARIANTS):
             raise ValueError(
                 f"{self.name}(curvature={curvature!r}): choose one of "
-                f"{', '.join(map(repr, VARIANTS))}."
+                f"{', '.join(map(repr, (AUTO, *VARIANTS)))}."
             )
         self.curvature = curvature
+        self._chosen: str | None = None  # what "auto" chose, at the first step
         self.mc_samples = checked_int(
             self.name, "mc_samples", mc_samples, 1, "draws per step of the MC GGN diagonal"
         )
@@ -126,18 +197,32 @@ class _Curvature(Quantity):
     # Whether the quantity reads the diagonal itself, not only its sums per parameter
     needs_diagonal = False
 
-    def _key(self) -> tuple:
-        return ("curvature_diagonal", self.curvature, self.mc_samples, self.seed)
+    def variant(self, data: StepData) -> str:
+        """The variant computed: the one asked for, or what "auto" chose (once, with a
+        warning saying which and why)."""
+        if self.curvature != AUTO:
+            return self.curvature
+        if self._chosen is None:
+            self._chosen, why = choose_variant(data)
+            warnings.warn(
+                f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
+                "Pass curvature= to choose (said once).",
+                stacklevel=3,
+            )
+        return self._chosen
+
+    def _key(self, data: StepData) -> tuple:
+        return ("curvature_diagonal", self.variant(data), self.mc_samples, self.seed)
 
     def _cached(self, data: StepData, diagonal: bool) -> dict:
         """This step's {"sums": per-parameter sums of h} and, where a curvature quantity with
         the same settings reads it (among ``data.active``, or ``diagonal``), {"h": the
         diagonal}: computed once per step and shared."""
-        key = self._key()
+        key = self._key(data)
         entry = data.curvature_diagonals.get(key)
         if entry is None or (diagonal and "h" not in entry):
             diagonal = diagonal or any(
-                isinstance(q, _Curvature) and q.needs_diagonal and q._key() == key
+                isinstance(q, _Curvature) and q.needs_diagonal and q._key(data) == key
                 for q in data.active
             )
             if diagonal:
@@ -156,7 +241,7 @@ class _Curvature(Quantity):
         if data.world.size == 1:
             return local
         probed_sum = (
-            self.curvature == "diag_h"
+            self.variant(data) == "diag_h"
             and data.reduction == "sum"
             and bool(not_piecewise_linear(data.model))
         )
@@ -176,18 +261,21 @@ class _Curvature(Quantity):
         """h, one tensor per parameter; with ``traces``, only sum_d h_d (0-dim tensors)."""
         model = data.model
         losses = data.info["individual_losses"]
-        variant = self.curvature
+        variant = self.variant(data)
         if variant == "diag_h":
             bad = not_piecewise_linear(model)
             if bad:
                 dim = sum(p.numel() for p in data.params)
                 if dim > self.max_probes:
+                    working = [f"curvature={v!r}" for v in ggn_variants_that_work(data)] + [
+                        "raise max_probes"
+                    ]
                     raise ValueError(
                         f"{self.name}(curvature='diag_h'): the exact Hessian diagonal of this "
                         f"network needs {dim} Hessian-vector products (more than max_probes="
                         f"{self.max_probes}), because these modules are not piecewise linear "
-                        f"in each weight: {', '.join(bad[:8])}. Use curvature='diag_ggn_exact' "
-                        "or 'diag_ggn_mc' (both work for it), or raise max_probes."
+                        f"in each weight: {', '.join(bad[:8])}. What works for this model: "
+                        f"{', or '.join(working)}."
                     )
                 h = self._probed_diagonal(data)
                 return [d.sum() for d in h] if traces else h

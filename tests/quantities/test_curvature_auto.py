@@ -1,0 +1,86 @@
+"""curvature="auto" chooses a curvature diagonal by the cost of a step, says so once, and
+computes exactly what the variant it chose computes; errors suggest only what works."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from avionics import Cockpit
+from avionics.quantities import HessTrace, TICDiag
+
+
+def tanh_mlp(width: int, classes: int, seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, classes)).double()
+    X, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, classes, (5,))
+    return model, X, y
+
+
+def run(model, X, y, quantities, steps=2):
+    cockpit = Cockpit(model, quantities)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(steps):
+            losses = F.cross_entropy(model(X), y, reduction="none")
+            with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+                losses.mean().backward(create_graph=cockpit.create_graph(step))
+            model.zero_grad()
+    said = [str(w.message) for w in caught if "curvature='auto'" in str(w.message)]
+    return cockpit.get_output(), said
+
+
+@pytest.mark.parametrize(
+    "width, classes, chosen, why",
+    [
+        (8, 3, "diag_h", "takes 83 Hessian-vector products"),
+        (300, 3, "diag_ggn_exact", "would take 3003 Hessian-vector.*GGN diagonal takes 3"),
+        (300, 100, "diag_ggn_mc", "would take 100 backward passes"),
+    ],
+)
+def test_auto_chooses_by_cost_says_it_once_and_equals_its_choice(width, classes, chosen, why):
+    model, X, y = tanh_mlp(width, classes)
+    auto, said = run(model, X, y, [HessTrace(), TICDiag()])
+    assert len(said) == 2  # once per quantity, not per step
+    assert all(f"computes {chosen!r}" in message for message in said)
+    assert any(__import__("re").search(why, message) for message in said), said
+    model, X, y = tanh_mlp(width, classes)
+    explicit, said = run(model, X, y, [HessTrace(curvature=chosen), TICDiag(curvature=chosen)])
+    assert said == []
+    for step in auto:
+        for name in ("HessTrace", "TICDiag"):
+            assert auto[step][name] == pytest.approx(explicit[step][name], rel=1e-12)
+
+
+def test_a_piecewise_linear_network_keeps_the_exact_hessian_diagonal():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 64), nn.ReLU(), nn.Linear(64, 3)).double()
+    X, y = torch.randn(5, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    _, said = run(model, X, y, [HessTrace()], steps=1)
+    assert "computes 'diag_h'" in said[0] and "piecewise linear" in said[0]
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 64), nn.Tanh(), nn.Linear(64, 3))
+
+    def forward(self, x):
+        out = self.body(x)
+        return out, 2 * out
+
+
+def test_the_too_costly_exact_diagonal_suggests_only_what_works():
+    model, X, y = tanh_mlp(300, 3)
+    with pytest.raises(ValueError, match="What works for this model: curvature='diag_ggn_exact'"):
+        run(model, X, y, [HessTrace(curvature="diag_h", max_probes=100)], steps=1)
+    model = TwoOutputs().double()  # no single output tensor: no GGN diagonal runs
+    cockpit = Cockpit(model, [HessTrace(curvature="diag_h", max_probes=100)])
+    losses = F.cross_entropy(model(X)[0], y, reduction="none")
+    with pytest.raises(ValueError, match="What works for this model: raise max_probes\\."):
+        with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses}):
+            losses.mean().backward(create_graph=True)
