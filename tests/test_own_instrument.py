@@ -82,7 +82,7 @@ def test_the_example_shows_up_in_the_exports_and_the_dashboard(example, tmp_path
     with open(to_csv(run, tmp_path / "own.csv")) as f:
         rows = list(csv.DictReader(f))
     assert float(rows[4]["LayerNoiseScale"]) == pytest.approx(sum(scales) / len(scales))
-    assert float(rows[4]["LayerNoiseScale[3]"]) == scales[3]
+    assert float(rows[4]["LayerNoiseScale[2.bias]"]) == scales[3]  # named as in the model
 
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -33,7 +33,9 @@ def _csv_cell(value: float | None) -> str:
 
 def to_csv(run: Run, path: str | os.PathLike) -> Path:
     """Write one row per step and one column per scalar series (per-parameter quantities as
-    their global value plus one column ``Name[i]`` per parameter); return the path."""
+    their global value plus one column ``Name[parameter]`` per parameter, named as in the
+    model, e.g. ``GradNorm[0.weight]``, or ``Name[i]`` where the log does not name the
+    parameters); return the path."""
     names = scalar_names(run)
     per_parameter = {
         name: max(len(v[name]) for v in run.steps.values() if isinstance(v.get(name), list))
@@ -41,10 +43,13 @@ def to_csv(run: Run, path: str | os.PathLike) -> Path:
         if run.output(name).is_per_parameter
         and any(isinstance(v.get(name), list) for v in run.steps.values())
     }
+    parameters = list(run.metadata.get("parameters") or {})
     header = ["step"]
     for name in names:
+        count = per_parameter.get(name, 0)
+        labels = parameters if len(parameters) == count else [str(i) for i in range(count)]
         header.append(name)
-        header.extend(f"{name}[{i}]" for i in range(per_parameter.get(name, 0)))
+        header.extend(f"{name}[{label}]" for label in labels)
     path = Path(path)
     with open(path, "w", newline="") as f:
         writer = csv.writer(f)
