@@ -21,6 +21,7 @@ step that needs nothing costs one schedule look-up per quantity.
 from __future__ import annotations
 
 import math
+import reprlib
 import warnings
 from collections import defaultdict
 from contextlib import contextmanager
@@ -242,13 +243,14 @@ class Cockpit:
         self._output[step].update(values)
         self._forget_old_steps()
 
-    def get_output(self) -> dict[int, dict[str, Any]]:
+    def get_output(self) -> Output:
         """{step: {quantity or metric name: value}} of everything computed so far, or, with a
-        log, of the last ``OUTPUT_WINDOW`` steps (read the log for all of them)."""
+        log, of the last ``OUTPUT_WINDOW`` steps (read the log for all of them). A dict whose
+        repr abbreviates (histogram counts, many steps), so that printing it stays short."""
         for step, name in self._unconverted:
             self._output[step][name] = to_python(self._output[step][name])
         self._unconverted = []
-        return {step: dict(values) for step, values in sorted(self._output.items())}
+        return Output({step: dict(values) for step, values in sorted(self._output.items())})
 
     @property
     def metadata(self) -> dict:
@@ -698,6 +700,24 @@ class Cockpit:
             "outputs": {q.name: q.output.describe() for q in self.quantities},
             "world_size": self._world.size,
         }
+
+
+class Output(dict):
+    """What :meth:`Cockpit.get_output` returns: a plain dict of the full values whose repr
+    shows the first steps and the first entries of long lists only."""
+
+    def __repr__(self) -> str:
+        return _SHORT.repr(dict(self))
+
+
+def _short_repr() -> reprlib.Repr:
+    short = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+    short.maxlevel, short.maxdict, short.maxlist, short.maxtuple = 4, 12, 6, 6
+    short.maxstring = short.maxother = 60
+    return short
+
+
+_SHORT = _short_repr()
 
 
 @dataclass(frozen=True)

@@ -321,3 +321,13 @@ def test_capture_records_nothing_without_gradients_enabled():
         warnings.simplefilter("error")
         model(torch.randn(2, 6, dtype=torch.float64))
     assert capture.calls == []
+
+
+def test_the_output_prints_short_and_holds_every_value():
+    model, X, y, loss_fn = models.mlp(n=4)
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.GradHist1d()])
+    train(cockpit, model, X, y, loss_fn, 30)
+    output = cockpit.get_output()
+    full = {step: dict(values) for step, values in output.items()}
+    assert output == full and len(output[29]["GradHist1d"]["hist"]) == 100
+    assert len(repr(output)) < len(repr(full)) / 10 and "..." in repr(output)
