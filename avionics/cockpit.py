@@ -35,6 +35,7 @@ from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
 from avionics.distributed import all_processes, current_world, sum_over_processes, unwrap
 from avionics.persample import PerSampleEngine, Request, Statistics
+from avionics.persample.capture import output_edge
 from avionics.persample.request import MEAN_GRADIENT
 from avionics.persample.step import factorable
 from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
@@ -827,8 +828,6 @@ def _check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.M
     roots = [c for c in capture.calls if c.module is model and c.nodes] if capture else []
     if not roots:
         return
-    from avionics.persample.capture import output_edge
-
     edges = [output_edge(node) for call in roots for node in call.nodes]
 
     # backwards through the loss function alone: which captured forwards each one comes from

@@ -54,21 +54,12 @@ from avionics.schedules import Schedule
 PER_SAMPLE_KEYS = ("individual_losses",)
 
 
-def _graph_grads(quantity: Quantity, data: StepData) -> list[Tensor]:
-    """``p.grad`` with its graph per parameter (zeros where none arrived); a clear error when
-    the backward kept no graph at all."""
-    grads = data.graph_grads
-    missing = [
-        name for name, g in zip(data.names, grads, strict=True) if g is None or g.grad_fn is None
-    ]
-    if len(missing) == len(data.names):
-        raise RuntimeError(
-            f"Step {data.step}: {quantity.name} differentiates the gradient again, but the "
-            "backward kept no graph. Call loss.backward(create_graph=cockpit.create_graph(step))."
-        )
+def _graph_grads(data: StepData) -> list[Tensor]:
+    """``p.grad`` with its graph per parameter, zeros where none arrived (the cockpit has
+    checked on leaving the block that the backward kept a graph)."""
     return [
         g if g is not None and g.grad_fn is not None else torch.zeros_like(p)
-        for g, p in zip(grads, data.params, strict=True)
+        for g, p in zip(data.graph_grads, data.params, strict=True)
     ]
 
 
@@ -236,16 +227,10 @@ class _Curvature(Quantity):
 
     def _global(self, data: StepData, local: list[Tensor]) -> list[Tensor]:
         """The global batch's diagonal (or sums) from this process's, of the mean over its
-        N_r samples: sum_r (N_r / N) h_r, in one collective (the probed diagonal of a sum
-        is already scaled by the global 1 / N)."""
+        N_r samples: sum_r (N_r / N) h_r, in one collective."""
         if data.world.size == 1:
             return local
-        probed_sum = (
-            self.variant(data) == "diag_h"
-            and data.reduction == "sum"
-            and bool(not_piecewise_linear(data.model))
-        )
-        weight = 1.0 if probed_sum else data.batch_sizes[data.world.rank] / data.batch_size
+        weight = data.batch_sizes[data.world.rank] / data.batch_size
         return data.sum_over_processes([t * weight for t in local])
 
     def diagonal(self, data: StepData) -> list[Tensor]:
@@ -299,8 +284,9 @@ class _Curvature(Quantity):
         """The exact Hessian diagonal of the mean loss by probes, over the parameters whose
         gradient carries a graph; 0 for the others (a gradient without a graph is constant
         in the parameters, e.g. where the loss does not depend on them)."""
-        scale = 1.0 / data.batch_size if data.reduction == "sum" else 1.0
-        grads = _graph_grads(self, data)
+        # of this process's mean loss: its graph is of the loss as reduced over its samples
+        scale = 1.0 / len(data.individual_losses) if data.reduction == "sum" else 1.0
+        grads = _graph_grads(data)
         kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
         probed = hessian_diagonal_by_probes(
             [grads[k] for k in kept], [data.tracked[k] for k in kept], scale

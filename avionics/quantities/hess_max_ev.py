@@ -82,7 +82,7 @@ class HessMaxEV(Quantity):
         self.num_products: dict[int, int] = {}
 
     def compute(self, data: StepData):
-        grads = _graph_grads(self, data)
+        grads = _graph_grads(data)
         hvp = _HessianProduct(grads, _leaves(data), data)
         result = top_eigenpairs(
             BlockOperator(hvp, hvp.slices, hvp.dtype, hvp.device),
