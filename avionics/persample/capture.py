@@ -22,8 +22,11 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
+from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
+
+from avionics.persample.request import Request
 
 # A forward that is never backpropagated (e.g. an evaluation pass run with gradients enabled)
 # leaves calls that receive no gradient; keep at most this many root calls while armed.
@@ -43,7 +46,9 @@ class ModuleCall:
 
     ``batch_axis`` is the axis of the batch in the module's tensors (1 below a module with
     ``batch_first=False``, else 0). ``grad_outputs`` has one entry per tensor in the flattened
-    output, None where no gradient arrived.
+    output, None where no gradient arrived. ``summaries`` (root calls only): what the
+    request's output visitors returned for the module calls of this forward, as ``(visitor,
+    module, summary)`` in call order.
     """
 
     module: nn.Module
@@ -56,12 +61,25 @@ class ModuleCall:
     inputs: list[Tensor]
     input_versions: list[int]
     grad_outputs: list[Tensor | None] = field(default_factory=list)
+    summaries: list[tuple] = field(default_factory=list)
+    # per output: its per-sample gradient where the output is shared by all samples and
+    # broadcast into the batch by additions (see avionics.persample.rules.broadcast)
+    broadcast_grad_outputs: list[Tensor | None] = field(default_factory=list)
+    # (device, random generator state) as the call began, for a module whose own forward
+    # draws random numbers that a rule re-runs (avionics.persample.rules.randomness)
+    rng_state: tuple | None = None
+    # (root calls only) id(parameter) -> per-sample gradients [N, *shape] of a parameter used
+    # directly in a forward and broadcast into the batch by additions (None: not broadcast)
+    shared_parameter_gradients: dict = field(default_factory=dict)
 
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)
 
     def carries_batch(self, n: int) -> bool:
-        """Whether the first input tensor has the ``n`` samples on the batch axis."""
+        """Whether the first input tensor has the ``n`` samples on the batch axis (a
+        PackedSequence: as many sequences as ``n``)."""
+        if self.args and isinstance(self.args[0], PackedSequence):
+            return int(self.args[0].batch_sizes[0]) == n
         if not self.inputs:
             return False
         first = self.inputs[0]
@@ -70,7 +88,7 @@ class ModuleCall:
     def with_grad_outputs(self, grad_outputs: list[Tensor | None]) -> ModuleCall:
         """This call with other output gradients (e.g. one backpropagated column of a loss
         Hessian root instead of the loss gradient)."""
-        call = replace(self)  # (__post_init__ resets grad_outputs)
+        call = replace(self, broadcast_grad_outputs=[])  # (__post_init__ resets grad_outputs)
         call.grad_outputs = grad_outputs
         return call
 
@@ -119,13 +137,24 @@ class Capture:
         self._watched = set(modules) | {model}
         self.calls: list[ModuleCall] = []
         self._forward_handle: RemovableHandle | None = None
+        self._pre_forward_handle: RemovableHandle | None = None
+        self._rng_states: dict[nn.Module, tuple] = {}  # of the calls in progress
         self._gradient_handles: list[RemovableHandle] = []
+        self._output_visitors: tuple = ()  # Request.module_outputs of the armed step
+        self._summaries: list[tuple] = []  # of the forward in progress, until its root call
 
     @property
     def armed(self) -> bool:
         return self._forward_handle is not None
 
-    def arm(self) -> None:
+    def arm(self, request: Request | None = None) -> None:
+        """Start recording; with ``request``, also summarise module outputs as its
+        ``module_outputs`` visitors ask (at forward time: the outputs are not kept). Without
+        one, a capture armed again (after a pause) keeps the visitors it had."""
+        from avionics.persample.rules.randomness import draws_in_forward, state_before
+
+        if request is not None:
+            self._output_visitors = request.module_outputs
         if self._forward_handle is None:
             # The global hook holds the capture weakly: a capture that is dropped unarmed
             # (its cockpit deleted) removes its hook when it is collected.
@@ -143,6 +172,15 @@ class Capture:
                 hook, with_kwargs=True
             )
 
+            def pre_hook(module, args):
+                alive = capture()
+                if alive is not None and module in alive._watched and draws_in_forward(module):
+                    alive._rng_states[module] = state_before(args)
+
+            self._pre_forward_handle = torch.nn.modules.module.register_module_forward_pre_hook(
+                pre_hook
+            )
+
     def __del__(self):
         self.disarm()
 
@@ -153,9 +191,15 @@ class Capture:
             # entry per registration, torch 2.x): remove it here
             _WITH_KWARGS.pop(self._forward_handle.id, None)
             self._forward_handle = None
+            self._pre_forward_handle.remove()
+            self._pre_forward_handle = None
 
     def _on_forward(self, module, args, kwargs, output) -> None:
-        if module not in self._watched or not torch.is_grad_enabled():
+        if not torch.is_grad_enabled():
+            return
+        if self._output_visitors:
+            self._summarise(module, output)
+        if module not in self._watched:
             return
         if module is self.root:
             roots = [i for i, c in enumerate(self.calls) if c.module is self.root]
@@ -177,11 +221,25 @@ class Capture:
                 batch_axis=self._axes.get(module, 0),
                 inputs=inputs,
                 input_versions=[t._version for t in inputs],
+                rng_state=self._rng_states.pop(module, None),
             )
         )
+        if module is self.root:
+            self.calls[-1].summaries, self._summaries = self._summaries, []
+
+    def _summarise(self, module, output) -> None:
+        """Each output visitor's summary of this call's output, computed once, here."""
+        axis = self._axes.get(module, 0)
+        with torch.no_grad():
+            for visit in self._output_visitors:
+                summary = visit(module, output, axis)
+                if summary is not None:
+                    self._summaries.append((visit, module, summary))
 
     def record_gradients(self) -> None:
         """Hook every captured output so that the next backward stores its gradient."""
+        from avionics.persample.rules.broadcast import hook_shared_outputs  # (imports us)
+
         for call in self.calls:
             for i, node in zip(call.node_outputs, call.nodes, strict=True):
                 store = _storer(call, i)
@@ -192,6 +250,7 @@ class Capture:
                     self._gradient_handles.append(
                         grad_fn.register_prehook(_node_storer(store, output_nr))
                     )
+        self._gradient_handles += hook_shared_outputs(self.root, self.calls)
 
     def stop_recording(self) -> None:
         for handle in self._gradient_handles:
@@ -201,6 +260,7 @@ class Capture:
     def release(self) -> None:
         self.stop_recording()
         self.calls = []
+        self._summaries = []
 
     def calls_by_module(self) -> dict[nn.Module, list[ModuleCall]]:
         """The calls that received a gradient, grouped by module in call order."""

@@ -62,6 +62,7 @@ class PerSampleEngine:
             m for m in self._names if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
         self._warned: set[nn.Module] = set()  # modules already warned about
+        self._slow: set[nn.Module] = set()  # modules already reported by warn_slow_path
 
     def capture(self) -> Capture:
         """A capture watching every module that owns a tracked parameter, and its ancestors."""
@@ -83,14 +84,24 @@ class PerSampleEngine:
         inner = path if prefix == "" else path[len(prefix) + 1 :]
         return f"{inner}.{name}" if inner else name
 
-    def contributions(self, calls: dict[nn.Module, list[ModuleCall]], n: int):
+    def contributions(
+        self, calls: dict[nn.Module, list[ModuleCall]], n: int, captured_backward: bool = False
+    ):
         """For each parameter index: the (module, name) pairs its per-sample gradient sums.
 
         A module counts as called only where its calls carry the batch: a position table
         looked up with ``arange(T)`` is shared by all samples, and its per-sample gradients
-        only separate in the parent that adds it to each sample.
+        only separate in the parent that adds it to each sample. With ``captured_backward``
+        (the calls' output gradients are the captured backward's), a call whose shared output
+        has per-sample gradients from its consumers (:mod:`avionics.persample.rules.broadcast`)
+        counts as carrying the batch.
         """
-        batched = {m: all(c.carries_batch(n) for c in cs) for m, cs in calls.items()}
+
+        def carries(call: ModuleCall) -> bool:
+            shared = captured_backward and any(g is not None for g in call.broadcast_grad_outputs)
+            return shared or call.carries_batch(n)
+
+        batched = {m: all(carries(c) for c in cs) for m, cs in calls.items()}
         result: list[list[tuple[nn.Module, str]]] = []
         for k, owners in enumerate(self.owners):
             if k in self._from_root:
@@ -113,16 +124,20 @@ class PerSampleEngine:
         n: int,
         output_gradient_factor: float,
         gradients: list[Tensor | None] | None = None,
+        rtol: float | None = None,
     ) -> CapturedStep:
         """The captured step of ``calls`` (see :class:`~avionics.persample.step.CapturedStep`).
 
         With ``gradients`` (``gradients[k]``: what parameter k received in the captured
         backward), the routing is first checked against them when the pattern of calls is new
         (:meth:`check`); a parameter that fails is routed through the root's generic rule.
+        ``rtol``: the check's relative tolerance, where the captured tensors are less precise
+        than the gradients (a forward under autocast; default by the gradients' dtype).
         """
         self._warn_batch_statistics()
+        _find_batch_axes(calls, n)
         step = CapturedStep(self, calls, n, output_gradient_factor)
-        if gradients is not None and self.needs_check(calls) and self.check(step, gradients):
+        if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
             step = CapturedStep(self, calls, n, output_gradient_factor)  # rerouted
             self._warn_coupled(step, gradients)
         return step
@@ -142,6 +157,36 @@ class PerSampleEngine:
                     "statistics.",
                     stacklevel=6,
                 )
+
+    def warn_slow_path(
+        self, module: nn.Module, names: list[str], reason: str | None, seconds: float, samples: int
+    ) -> None:
+        """Warn once per module whose per-sample gradients took a slow path of the generic
+        rule (``seconds`` for ``samples`` samples), naming its parameters and the cost: the
+        per-sample loop (``reason``: why vmap could not batch the module), or a re-run of the
+        whole model (parameters used directly in the root's forward, not by additions)."""
+        if module in self._slow or (reason is None and module is not self.model):
+            return
+        self._slow.add(module)
+        prefix = self._names[module] + "." if self._names[module] else ""
+        params = ", ".join(prefix + name for name in names)
+        cost = f"{seconds:.3g} s for {samples} samples, at every step that needs them"
+        if reason is None:
+            how = (
+                f"The per-sample gradients of {params} (used directly in the model's forward) "
+                f"come from re-running the whole model under torch.func.vmap: {cost}. Add such "
+                "a parameter to the batch (x + p), or move it into a module of its own."
+            )
+        else:
+            how = (
+                f"Module '{self.module_name(module)}' ({type(module).__name__}): "
+                f"torch.func.vmap cannot batch its forward ({reason}), so the per-sample "
+                f"gradients of {params} are computed one sample at a time: {cost}, about "
+                f"{1e3 * seconds / samples:.3g} ms per sample. Replace the operation vmap "
+                "cannot batch, or register a closed-form rule for the module "
+                "(avionics.persample.rules)."
+            )
+        warnings.warn(how, stacklevel=2)
 
     def _warn_coupled(self, step: CapturedStep, gradients: list[Tensor | None]) -> None:
         """After rerouting: parameters whose per-sample gradients through the root's generic
@@ -166,14 +211,14 @@ class PerSampleEngine:
     def _pattern(self, calls) -> tuple:
         return tuple(sorted((self._names[m], len(c)) for m, c in calls.items()))
 
-    def check(self, step: CapturedStep, gradients: list[Tensor | None]) -> bool:
+    def check(self, step: CapturedStep, gradients: list[Tensor | None], rtol=None) -> bool:
         """Compare sum_n g_n of ``step`` with autograd's gradient (times the output-gradient
         factor); route mismatches through the root's generic rule. Whether any was rerouted.
 
         ``gradients[k]`` is the gradient parameter k received in the captured backward.
         """
         rerouted = False
-        for k in self._mismatched(step, gradients, skip=self._from_root):
+        for k in self._mismatched(step, gradients, skip=self._from_root, rtol=rtol):
             if self.model not in step.calls:
                 raise RuntimeError(
                     f"Parameter '{self._param_name(k)}' receives gradient from uses "
@@ -186,7 +231,7 @@ class PerSampleEngine:
         return rerouted
 
     def _mismatched(
-        self, step: CapturedStep, gradients: list[Tensor | None], skip=frozenset()
+        self, step: CapturedStep, gradients: list[Tensor | None], skip=frozenset(), rtol=None
     ) -> list[int]:
         """The parameters (not in ``skip``) whose sum_n g_n differs from their gradient."""
         mismatched = []
@@ -202,9 +247,9 @@ class PerSampleEngine:
                     continue
                 # one temporary of the parameter's size: the difference is taken in place
                 expected = actual * factor
-                rtol = CHECK_RTOL.get(actual.dtype, 1e-2)
+                tol = max(CHECK_RTOL.get(actual.dtype, 1e-2), rtol or 0)
                 atol = 100 * torch.finfo(actual.dtype).eps * total_norm
-                bound = rtol * expected.norm() + atol
+                bound = tol * expected.norm() + atol
                 for total in ours:
                     expected -= total
                 if expected.norm() > bound:
@@ -233,3 +278,16 @@ class PerSampleEngine:
         module, name = self.owners[k][0]
         prefix = self._names[module]
         return f"{prefix}.{name}" if prefix else name
+
+
+def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int) -> None:
+    """Correct the batch axis of each call whose first input does not have the ``n`` samples
+    on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
+    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN)."""
+    for module_calls in calls.values():
+        for call in module_calls:
+            if call.carries_batch(n) or not call.inputs:
+                continue
+            axes = [a for a, size in enumerate(call.inputs[0].shape) if size == n]
+            if len(axes) == 1:
+                call.batch_axis = axes[0]

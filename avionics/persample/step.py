@@ -32,7 +32,9 @@ from avionics.persample.request import Accumulator, Request, Statistics
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import Rule, chunk_size
 from avionics.persample.rules.bilinear import BilinearRule
+from avionics.persample.rules.broadcast import SharedParameterRule
 from avionics.persample.rules.factored import FactoredDirection, dense
+from avionics.persample.rules.generic import GenericRule
 from avionics.persample.rules.linear import LinearRule
 
 if TYPE_CHECKING:
@@ -61,7 +63,7 @@ class CapturedStep:
         self.engine, self.calls, self.n = engine, calls, n
         self.output_gradient_factor = output_gradient_factor
         # contributions[k]: the (module, parameter name) pairs whose g_n parameter k sums
-        self.contributions = engine.contributions(calls, n)
+        self.contributions = engine.contributions(calls, n, captured_backward=True)
         self._rules: dict[nn.Module, Rule] | None = None
         self._all_rules = False  # whether _rules holds every module's rule
 
@@ -81,14 +83,27 @@ class CapturedStep:
                 if name not in module_names:
                     module_names.append(name)
         rules = {}
+        root_calls = self.calls.get(self.engine.model, [])
+        # per-sample gradients of parameters used directly and broadcast by additions
+        shared = root_calls[0].shared_parameter_gradients if len(root_calls) == 1 else {}
         for module, module_names in names.items():
             where = self.engine.module_name(module)
             for call in self.calls[module]:
                 call.check_inputs_unchanged(where)
+            rule = rule_for(module, module_names)
+            args = (module, self.calls[module], module_names, self.n, self.output_gradient_factor)
+            given = (
+                []
+                if rule is not GenericRule or not shared
+                else [shared.get(id(module.get_parameter(name))) for name in module_names]
+            )
             with self.engine.naming(module):
-                rules[module] = rule_for(module, module_names)(
-                    module, self.calls[module], module_names, self.n, self.output_gradient_factor
-                )
+                if given and all(g is not None for g in given):
+                    rules[module] = SharedParameterRule(*args, given)
+                else:
+                    rules[module] = rule(*args)
+            if isinstance(rules[module], GenericRule):
+                rules[module].on_slow_path = self.engine.warn_slow_path
         return rules
 
     def release_rules(self, keep: Callable[[Rule], bool] | None = None) -> None:

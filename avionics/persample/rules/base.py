@@ -10,11 +10,15 @@ rules with closed forms override :meth:`Rule.statistics` to avoid materialising.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import ModuleCall
 from avionics.persample.request import Accumulator, Request
+
+if TYPE_CHECKING:  # (capture imports the rules)
+    from avionics.persample.capture import ModuleCall
 
 # Bytes one materialised chunk of per-sample gradients may take.
 CHUNK_BYTES = 8 * 2**20

@@ -3,7 +3,9 @@
 Per sample n the gradient is sparse: row r of G_n is sum_{t: i_{n,t} = r} delta_{n,t}, and
 zero for the padding index. Summing delta over equal (n, r) pairs once gives every non-zero
 row of every G_n, so all statistics cost O(N T D) and nothing of size N x V x D is built
-unless materialisation is asked for.
+unless materialisation is asked for. A table looked up without a batch axis (positions
+``arange(T)`` shared by all samples) and added to the batch uses the per-sample gradient of
+that addition (:mod:`avionics.persample.rules.broadcast`): row t of G_n is its sample n, t.
 """
 
 from __future__ import annotations
@@ -26,8 +28,14 @@ class EmbeddingRule(Rule):
             )
         idx, ds = [], []
         for call in calls:
-            i = batch_first(call.args[0], call.batch_axis, n, "Embedding input")
-            d = batch_first(output_gradient(call), call.batch_axis, n, "Embedding output")
+            i, d = call.args[0], output_gradient(call)
+            if not call.carries_batch(n) and call.broadcast_grad_outputs:
+                # a table shared by all samples (arange(T)): sample n's rows get the
+                # gradient its consumer received for sample n (rules/broadcast.py)
+                d = call.broadcast_grad_outputs[0]
+                i = i.expand(d.shape[:-1])
+            i = batch_first(i, call.batch_axis, n, "Embedding input")
+            d = batch_first(d, call.batch_axis, n, "Embedding output")
             idx.append(i.reshape(n, -1))
             ds.append(d.reshape(n, -1, d.shape[-1]))
         index, delta = torch.cat(idx, 1), torch.cat(ds, 1) * output_gradient_factor

@@ -5,12 +5,17 @@ For sample n, with the module's captured inputs x_n and output gradients delta_n
     g_n = output_gradient_factor * (d module(x_n; theta) / d theta)^T delta_n,
 
 one vector-Jacobian product of the module alone (its children run inside it with their
-parameters held fixed). ``torch.func.vmap`` batches the products over samples; modules vmap
-cannot batch (recurrent layers) take one product per sample instead: slower, equally exact.
+parameters held fixed). ``torch.func.vmap`` batches the products over samples, with the
+kernels vmap has batching rules for (math attention; nn.TransformerEncoder's nested-tensor
+fast path off) and a fresh random draw per sample (dropout inside the module draws new
+masks). A module vmap cannot batch takes one product per sample instead: equally exact,
+slower. Both paths report their cost through :attr:`GenericRule.on_slow_path`.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -21,11 +26,15 @@ from torch.utils import _pytree as pytree
 
 from avionics.persample.rules.base import Rule, output_gradient
 
-# Modules whose forward vmap could not batch: the per-sample loop is used for them.
-_UNBATCHABLE: set[type] = set()
+# Modules whose forward vmap could not batch, and vmap's error: the per-sample loop is used.
+_UNBATCHABLE: dict[type, str] = {}
 
 
 class GenericRule(Rule):
+    # on_slow_path(module, names, reason, seconds, samples): called after each run of samples,
+    # with why vmap could not batch the module where it took the per-sample loop (else None)
+    on_slow_path: Callable[[nn.Module, list[str], str | None, float, int], None] | None = None
+
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         totals = None
         for call in self.calls:
@@ -66,13 +75,16 @@ class GenericRule(Rule):
             return [grads[name] for name in self.names]
 
         in_dims = ([axis if b else None for b in batched], delta_axes)
+        began = time.perf_counter()
         if type(module) not in _UNBATCHABLE:
             try:
-                # vmap has batching rules for the math attention kernel only
-                with sdpa_kernel(SDPBackend.MATH):
-                    return vmap(sample_gradient, in_dims=in_dims)(leaves, deltas)
-            except (RuntimeError, NotImplementedError, ValueError):
-                _UNBATCHABLE.add(type(module))
+                with _batchable_kernels():
+                    over_samples = vmap(sample_gradient, in_dims=in_dims, randomness="different")
+                    grads = over_samples(leaves, deltas)
+                self._report(None, began, stop - start)
+                return grads
+            except (RuntimeError, NotImplementedError, ValueError) as error:
+                _UNBATCHABLE[type(module)] = str(error).split("\n")[0]
         with _reference_rnn_kernel(module):
             rows = [
                 sample_gradient(
@@ -81,7 +93,28 @@ class GenericRule(Rule):
                 )
                 for i in range(stop - start)
             ]
+        self._report(_UNBATCHABLE[type(module)], began, stop - start)
         return [torch.stack(per_param) for per_param in zip(*rows, strict=True)]
+
+    def _report(self, reason: str | None, began: float, samples: int) -> None:
+        if self.on_slow_path is not None:
+            seconds = time.perf_counter() - began
+            self.on_slow_path(self.module, self.names, reason, seconds, samples)
+
+
+@contextmanager
+def _batchable_kernels():
+    """The kernels vmap can batch: the math attention kernel (vmap has no batching rule for
+    the fused ones), and nn.TransformerEncoder's nested-tensor fast path off (its check of a
+    padding mask, ``torch._nested_tensor_from_mask_left_aligned``, has no batching rule).
+    Both compute the same function as the kernels they replace."""
+    fast_path = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fast_path)
 
 
 @contextmanager

@@ -1,0 +1,222 @@
+"""Per-sample output gradients of a call whose output every sample shares.
+
+A position table looked up by ``arange(T)`` (GPT-2's ``wpe``) returns y of shape [1, T, D] or
+[T, D], without a batch axis, and its consumer broadcasts it into the batch: h = e + y with e
+of shape [N, T, D]. Autograd sums dh over the broadcast axis before it reaches y, so y's
+captured output gradient is sum_n dh_n. Sample n's output gradient is dh_n itself, since
+dh/dy is the identity on every sample's slice (alpha for ``e + alpha * y``). So where every
+consumer of y is such an addition, the gradient the additions receive, read by a pre-hook on
+their autograd node, is y's per-sample output gradient (summed over the consumers), and the
+call's rule treats y as broadcast to the batch (:attr:`ModuleCall.broadcast_grad_outputs`).
+Any other consumer (a product, a matmul) leaves the call to its batched ancestor's rule.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.func import vmap
+from torch.utils.hooks import RemovableHandle
+
+from avionics.persample.rules.base import Rule
+
+# Autograd nodes whose incoming gradient is that of each operand before broadcasting
+# (times alpha for the second operand of an addition).
+_ADDITIONS = {"AddBackward0": (1, "_saved_alpha"), "SubBackward0": (1, "_saved_alpha")}
+
+
+def hook_shared_outputs(root, calls) -> list[RemovableHandle]:
+    """Pre-hooks on the additions that broadcast shared tensors of the last forward of
+    ``root`` in ``calls`` into the batch (N, from the root call's input):
+
+    * outputs of calls whose input does not carry the batch, each of whose consumers is an
+      addition: their per-sample output gradients go to ``call.broadcast_grad_outputs``;
+    * parameters used directly in a forward (see :func:`_direct_users`), reaching
+      additions through views (``pos[:T]``, ``cls.unsqueeze(0)``): their per-sample gradients
+      [N, *shape], each addition's per-sample gradient taken back through the views by
+      vmap over the view nodes' own backward, go to the root call's
+      ``shared_parameter_gradients`` (by ``id`` of the parameter).
+
+    The consumers are found by one walk of the autograd graph from the root call's outputs,
+    made only when such a tensor exists.
+    """
+    roots = [k for k, call in enumerate(calls) if call.module is root]
+    if not roots or not calls[roots[-1]].inputs:
+        return []
+    last = calls[roots[-1]]
+    forward = calls[roots[-2] + 1 if len(roots) > 1 else 0 : roots[-1]]
+    x, axis = last.inputs[0], last.batch_axis
+    if x.dim() <= axis:
+        return []
+    n = x.shape[axis]
+    shared = {
+        node: (call, i)
+        for call in forward
+        if not call.carries_batch(n)
+        for i, node in zip(call.node_outputs, call.nodes, strict=True)
+        if not isinstance(node, Tensor)
+    }
+    direct = {id(p) for m in _direct_users(root, forward) for p in m.parameters(False)}
+    if not shared and not direct:
+        return []
+    consumers: dict[tuple, list[tuple]] = {}  # edge -> [(node, input position)]
+    leaves = []  # the AccumulateGrad nodes of the directly used parameters
+    for node in _nodes(last.nodes):
+        if id(getattr(node, "variable", None)) in direct:
+            leaves.append(node)
+        for position, edge in enumerate(node.next_functions):
+            consumers.setdefault(edge, []).append((node, position))
+    handles = []
+    for edge, (call, i) in shared.items():
+        uses = [
+            (node, _addition_scale(node, position)) for node, position in consumers.get(edge, ())
+        ]
+        if uses and all(scale is not None for _, scale in uses):
+            call.broadcast_grad_outputs = [None] * len(call.outputs)
+            for node, scale in uses:
+                handles.append(node.register_prehook(_accumulator(call, i, scale)))
+    for leaf in leaves:
+        uses = _uses((leaf, 0), consumers, leaf.variable.shape)
+        for node, scale, views, shape in uses or ():
+            per_sample = _per_sample(scale, views, shape, axis, n)
+            handles.append(node.register_prehook(_parameter_accumulator(last, leaf, per_sample)))
+    return handles
+
+
+def _direct_users(root: nn.Module, forward) -> list[nn.Module]:
+    """Modules whose parameters may be used directly in a forward: those not called in it
+    (their parent uses them), and those the generic rule would handle (their own forward)."""
+    from avionics.persample.rules import GenericRule, rule_for  # (imports this module)
+
+    called = {call.module for call in forward} | {root}
+    users = []
+    for m in root.modules():
+        names = [name for name, _ in m.named_parameters(recurse=False)]
+        if names and (m not in called or rule_for(m, names) is GenericRule):
+            users.append(m)
+    return users
+
+
+# Nodes of one input whose backward maps the gradient of a view back to its base; a chain of
+# them between a parameter and an addition is replayed per sample.
+_VIEWS = {
+    "SliceBackward0", "SelectBackward0", "UnsqueezeBackward0", "SqueezeBackward0",
+    "SqueezeBackward1", "ViewBackward0", "UnsafeViewBackward0", "ReshapeAliasBackward0",
+    "TBackward0", "TransposeBackward0", "PermuteBackward0", "ToCopyBackward0",
+}  # fmt: skip
+
+
+def _uses(edge, consumers, shape, views=()) -> list[tuple] | None:
+    """(addition node, scale, views from it back to ``edge``, the operand's shape) for every
+    path from ``edge`` (a tensor of ``shape``) to an addition through views; None where any
+    consumer is neither."""
+    found = []
+    for node, position in consumers.get(edge, ()):
+        scale = _addition_scale(node, position)
+        if scale is not None:
+            found.append((node, scale, views, shape))
+        elif node.name() in _VIEWS and len(node.next_functions) == 1:
+            inner = _uses((node, 0), consumers, node._input_metadata[0].shape, (node, *views))
+            if inner is None:
+                return None
+            found += inner
+        else:
+            return None
+    return found
+
+
+def _per_sample(scale: float, views: tuple, shape, axis: int, n: int):
+    """dh (the addition's gradient, batch on ``axis``) -> the parameter's per-sample
+    gradients [n, *parameter shape]: each sample's dh reduced to the operand's ``shape`` as
+    broadcasting does, then through the views' backward."""
+    shape = tuple(shape)
+
+    def one(g: Tensor) -> Tensor:  # one sample's dh, without the batch axis
+        if len(shape) == g.dim() + 1:  # the operand has the batch axis, of size 1
+            g = g.unsqueeze(axis)
+        g = g.sum_to_size(shape)
+        for view in views:
+            g = view(g)
+        return g
+
+    def gradients(dh: Tensor) -> Tensor | None:
+        if dh.dim() <= axis or dh.shape[axis] != n:
+            return None
+        return vmap(one, in_dims=axis)(dh.detach() * scale)
+
+    return gradients
+
+
+def _nodes(roots):
+    """Every autograd node reachable from the captured output ``roots``."""
+    stack = [grad_fn for grad_fn, _ in (r for r in roots if not isinstance(r, Tensor))]
+    seen = {id(node) for node in stack}
+    while stack:
+        node = stack.pop()
+        yield node
+        for child, _ in node.next_functions:
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
+
+
+def _addition_scale(node, position: int) -> float | None:
+    """d(output)/d(operand ``position``) of an addition node (1, alpha or -alpha), else None."""
+    kind = _ADDITIONS.get(node.name())
+    if kind is None:
+        return None
+    second, alpha = kind
+    if position != second:
+        return 1.0
+    value = float(getattr(node, alpha, 1))
+    return -value if node.name() == "SubBackward0" else value
+
+
+def _accumulator(call, index: int, scale: float):
+    def prehook(grad_outputs):
+        g = grad_outputs[0]
+        if g is not None:
+            g = g.detach() * scale if scale != 1 else g.detach()
+            current = call.broadcast_grad_outputs[index]
+            call.broadcast_grad_outputs[index] = g if current is None else current + g
+
+    return prehook
+
+
+def _parameter_accumulator(root_call, leaf, per_sample):
+    key = id(leaf.variable)
+
+    def prehook(grad_outputs):
+        if grad_outputs[0] is None:
+            return
+        g = per_sample(grad_outputs[0])
+        if g is None:  # the addition's gradient does not carry the batch: not shared
+            root_call.shared_parameter_gradients[key] = None
+            return
+        gradients = root_call.shared_parameter_gradients
+        if key not in gradients:
+            gradients[key] = g
+        elif gradients[key] is not None:
+            gradients[key] = gradients[key] + g
+
+    return prehook
+
+
+class SharedParameterRule(Rule):
+    """Parameters used directly in ``module``'s forward, each broadcast into the batch by
+    additions: their per-sample gradients ``gradients`` (from the captured backward, see
+    :func:`hook_shared_outputs`, output-gradient factor 1 there) are scaled and kept whole."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        calls,
+        names: list[str],
+        n: int,
+        output_gradient_factor: float,
+        gradients: list[Tensor],
+    ):
+        super().__init__(module, calls, names, n, output_gradient_factor)
+        self.gradients = [g * output_gradient_factor for g in gradients]
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        return [g[start:stop] for g in self.gradients]

@@ -1,0 +1,233 @@
+"""nn.RNN, nn.LSTM, nn.GRU: one batched re-run of the recurrence, then bilinear closed forms.
+
+Each layer and direction of a recurrent module computes, at every time step t,
+
+    a_t = W_ih x_t + b_ih,        c_t = W_hh h_{t-1} + b_hh,
+
+and its next state from (a_t, c_t) alone (PyTorch's gate equations, torch.nn.LSTM / GRU /
+RNN docs; a GRU's candidate gate uses r_t * c_t). So for sample n
+
+    grad W_ih = sum_t da_{n,t} x_{n,t}^T,       grad b_ih = sum_t da_{n,t},
+    grad W_hh = sum_t dc_{n,t} h_{n,t-1}^T,     grad b_hh = sum_t dc_{n,t},
+
+the bilinear forms of :mod:`avionics.persample.rules.bilinear` (T shared positions). The
+gradients da, dc are one vector-Jacobian product of the recurrence rebuilt from torch ops on
+the captured input, initial state and output gradients: a loop over time steps, batched over
+the samples (no per-sample loop). For a PackedSequence each sample's steps beyond its length
+leave its state unchanged, which is what the packed kernel computes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+
+from avionics.persample.request import Accumulator, Request
+from avionics.persample.rules.base import Rule, output_gradient
+from avionics.persample.rules.bilinear import Bilinear
+from avionics.persample.rules.factored import dense
+
+# The recurrent modules whose own forward the rule re-runs (subclasses may change it).
+RECURRENT = (nn.RNN, nn.LSTM, nn.GRU)
+
+
+def reproducible(module: nn.RNNBase) -> bool:
+    """Whether the re-run reproduces the module's forward: no LSTM projection, and no dropout
+    between layers in train mode (its masks cannot be drawn again)."""
+    dropout = module.training and module.dropout > 0 and module.num_layers > 1
+    return module.proj_size == 0 and not dropout
+
+
+class RecurrentRule(Rule):
+    def __init__(self, module: nn.RNNBase, calls, names, n, output_gradient_factor):
+        super().__init__(module, calls, names, n, output_gradient_factor)
+        # factors[name]: (x [N, 1, T, I], delta [N, 1, T, O]) over the calls, T concatenated
+        factors: dict[str, list[tuple[Tensor, Tensor]]] = {}
+        with torch.enable_grad():
+            for call in calls:
+                for name, pair in _call_factors(module, call, n).items():
+                    factors.setdefault(name, []).append(pair)
+        self.factors = {
+            name: (
+                torch.cat([x for x, _ in pairs], 2),
+                torch.cat([d for _, d in pairs], 2) * output_gradient_factor,
+            )
+            for name, pairs in factors.items()
+        }
+
+    def _weight_form(self, name: str) -> Bilinear:
+        x, delta = self.factors[name]
+        return Bilinear(
+            lambda start, stop: x[start:stop], delta, self.module.get_parameter(name).shape
+        )
+
+    def _bias(self, name: str) -> Tensor:
+        return self.factors["weight" + name[len("bias") :]][1].sum((1, 2))
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        return [
+            self._weight_form(name).materialize(start, stop)
+            if name.startswith("weight")
+            else self._bias(name)[start:stop]
+            for name in self.names
+        ]
+
+    def statistics(self, requests: list[Request], directions) -> list[dict]:
+        results = []
+        for k, name in enumerate(self.names):
+            if name.startswith("weight"):
+                results.append(self._weight_form(name).statistics(requests[k], directions[k], k))
+            else:
+                acc = Accumulator(requests[k], {d: dense(v) for d, v in directions[k].items()}, k)
+                acc.add(self._bias(name))
+                results.append(acc.result())
+        return results
+
+    def total(self) -> list[Tensor]:
+        return [
+            self._weight_form(name).total()
+            if name.startswith("weight")
+            else self._bias(name).sum(0)
+            for name in self.names
+        ]
+
+
+def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, Tensor]]:
+    """(x, delta) of every weight of ``module`` for one call, each [N, 1, T, features]."""
+    x, packed = _time_major_input(module, call)
+    steps, is_lstm = x.shape[0], module.mode == "LSTM"
+    lengths = None if packed is None else _lengths(packed).to(x.device)
+    # valid[t, n]: step t is within sample n's sequence (a packed sample stops at its length)
+    valid = None if lengths is None else torch.arange(steps, device=x.device)[:, None] < lengths
+    h0, c0 = _initial_state(module, call, x, n)
+    directions = 2 if module.bidirectional else 1
+
+    taps: list[Tensor] = []  # the tensors whose gradients are da and dc
+    pairs: dict[str, tuple[Tensor, list[Tensor]]] = {}  # weight -> (its input, its taps)
+    finals, final_cells, layer_input = [], [], x
+    for layer in range(module.num_layers):
+        outputs = []
+        for direction in range(directions):
+            suffix = f"_l{layer}" + ("_reverse" if direction else "")
+            w_ih, w_hh, b_ih, b_hh = _weights(module, suffix)
+            k = layer * directions + direction
+            h, cell = h0[k], c0[k] if is_lstm else None
+            a = _tap(F.linear(layer_input, w_ih, b_ih))  # [T, N, G H], all steps at once
+            out: list[Tensor | None] = [None] * steps
+            previous, cs = [], []
+            for t in range(steps - 1, -1, -1) if direction else range(steps):
+                c = _tap(F.linear(h, w_hh, b_hh))
+                previous.append(h)
+                cs.append(c)
+                h_new, cell_new = _cell(module.mode, a[t], c, h, cell)
+                if valid is not None:
+                    h_new = torch.where(valid[t, :, None], h_new, h)
+                    if is_lstm:
+                        cell_new = torch.where(valid[t, :, None], cell_new, cell)
+                h, cell = h_new, cell_new
+                out[t] = h
+            outputs.append(torch.stack(out))
+            finals.append(h)
+            final_cells.append(cell)
+            taps += [a, *cs]
+            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), [a])
+            pairs[f"weight_hh{suffix}"] = (torch.stack(previous).detach(), cs)
+        layer_input = torch.cat(outputs, -1)
+
+    results = [layer_input, torch.stack(finals)] + ([torch.stack(final_cells)] if is_lstm else [])
+    gradients = _output_gradients(module, call, packed, steps, is_lstm)
+    grads = torch.autograd.grad(results, taps, gradients, allow_unused=True)
+    by_tap = {id(t): torch.zeros_like(t) if g is None else g for t, g in zip(taps, grads)}
+    factors = {}
+    for name, (inp, weight_taps) in pairs.items():
+        # c_t are stacked in the order the steps were visited, like their inputs h_{t-1}
+        deltas = [by_tap[id(t)] for t in weight_taps]
+        delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas)
+        factors[name] = (_per_sample(inp), _per_sample(delta))
+    return factors
+
+
+def _per_sample(t: Tensor) -> Tensor:
+    """[T, N, F] -> [N, 1 group, T, F]."""
+    return t.movedim(1, 0).unsqueeze(1)
+
+
+def _tap(t: Tensor) -> Tensor:
+    """``t`` as a node of the re-run's graph (a fresh leaf where nothing before it needs one)."""
+    return t if t.requires_grad else t.requires_grad_()
+
+
+def _weights(module: nn.RNNBase, suffix: str):
+    """W_ih, W_hh, b_ih, b_hh of one layer and direction (biases None without bias)."""
+    weights = [module.get_parameter(f"weight_{s}{suffix}").detach() for s in ("ih", "hh")]
+    if not module.bias:
+        return *weights, None, None
+    return *weights, *(module.get_parameter(f"bias_{s}{suffix}").detach() for s in ("ih", "hh"))
+
+
+def _time_major_input(module: nn.RNNBase, call) -> tuple[Tensor, PackedSequence | None]:
+    """The call's input as [T, N, I] (padded from a PackedSequence, in the batch's order)."""
+    inp = call.args[0]
+    if isinstance(inp, PackedSequence):
+        return pad_packed_sequence(inp)[0].detach(), inp
+    if inp.dim() != 3:
+        raise NotImplementedError(
+            f"the input has shape {tuple(inp.shape)}; per-sample gradients need a batched "
+            "input, [N, T, features] (batch_first=True) or [T, N, features]."
+        )
+    return (inp.transpose(0, 1) if module.batch_first else inp).detach(), None
+
+
+def _lengths(packed: PackedSequence) -> Tensor:
+    """Each sample's length (in the batch's order) from a PackedSequence's batch sizes."""
+    sorted_lengths = packed.batch_sizes[None, :] > torch.arange(packed.batch_sizes[0])[:, None]
+    lengths = sorted_lengths.sum(1)
+    if packed.unsorted_indices is not None:
+        lengths = lengths[packed.unsorted_indices.cpu()]
+    return lengths
+
+
+def _initial_state(module: nn.RNNBase, call, x: Tensor, n: int):
+    """(h0, c0) as given to the call (zeros where not given), each [layers * directions, N, H],
+    in the batch's order (also for a PackedSequence, whose kernel sorts them itself)."""
+    hx = call.args[1] if len(call.args) > 1 else call.kwargs.get("hx")
+    directions = 2 if module.bidirectional else 1
+    zeros = x.new_zeros(module.num_layers * directions, n, module.hidden_size)
+    if hx is None:
+        return zeros, zeros
+    h0, c0 = hx if module.mode == "LSTM" else (hx, None)
+    return h0.detach(), None if c0 is None else c0.detach()
+
+
+def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[Tensor]:
+    """The captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and padded."""
+    count = len(call.outputs)
+    d_out = output_gradient(call, 0)
+    if packed is not None:
+        d_out = pad_packed_sequence(
+            PackedSequence(
+                d_out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
+            ),
+            total_length=steps,
+        )[0]
+    elif module.batch_first:
+        d_out = d_out.transpose(0, 1)
+    states = [count - 2, count - 1] if is_lstm else [count - 1]
+    return [d_out] + [output_gradient(call, i) for i in states]
+
+
+def _cell(mode: str, a: Tensor, c: Tensor, h: Tensor, cell: Tensor | None):
+    """One step of PyTorch's recurrences (torch.nn.LSTM / GRU / RNN docs) from the state h,
+    cell (LSTM), a = W_ih x + b_ih and c = W_hh h + b_hh: (h', cell')."""
+    if mode == "LSTM":
+        i, f, g, o = (a + c).chunk(4, -1)
+        new_cell = torch.sigmoid(f) * cell + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
+    if mode == "GRU":
+        a_r, a_z, a_n = a.chunk(3, -1)
+        c_r, c_z, c_n = c.chunk(3, -1)
+        r, z = torch.sigmoid(a_r + c_r), torch.sigmoid(a_z + c_z)
+        return (1 - z) * torch.tanh(a_n + r * c_n) + z * h, None
+    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(a + c), None
