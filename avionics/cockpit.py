@@ -20,6 +20,8 @@ step that needs nothing costs one schedule look-up per quantity.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 import reprlib
 import warnings
@@ -30,15 +32,16 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils import _pytree as pytree
 
 from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
 from avionics.distributed import all_processes, current_world, sum_over_processes, unwrap
 from avionics.persample import PerSampleEngine, Request, Statistics
-from avionics.persample.capture import output_edge
+from avionics.persample.capture import ModuleCall, output_edge
 from avionics.persample.request import MEAN_GRADIENT
 from avionics.persample.step import factorable
-from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
+from avionics.quantities.base import MicroBatch, Quantity, StepData, TwoStepQuantity
 from avionics.quantities.loss import Loss
 from avionics.records.encoding import to_python
 from avionics.records.sink import Sink
@@ -47,6 +50,8 @@ from avionics.version import __version__
 STATE_VERSION = 1
 # With a log, the steps get_output keeps in memory (the log keeps all of them).
 OUTPUT_WINDOW = 1000
+# Where each tracked step's learning rate is stored (info["optimizer"]'s, as cockpit.log would).
+LEARNING_RATE = "learning_rate"
 
 
 class Cockpit:
@@ -78,6 +83,11 @@ class Cockpit:
     runs its forward and backward in ``no_sync()``, and the cockpit averages the gradients as
     DDP would, in one all-reduce. Under FSDP (``fully_shard``) the quantities of
     ``SHARDED_QUANTITIES`` are computed from the shards; the others are refused.
+
+    A compiled model (``Cockpit(torch.compile(model))``): the cockpit tracks the module it
+    compiles, and the steps whose forward it captures (or differentiates twice) run eagerly,
+    under ``torch.compiler.set_stance("force_eager")`` from the end of the step before to
+    their own end (the compiled code runs no module hooks); every other step runs compiled.
     """
 
     def __init__(
@@ -109,7 +119,12 @@ class Cockpit:
 
             if exist not in EXIST_MODES:
                 raise ValueError(f"exist must be one of {EXIST_MODES}, got {exist!r}.")
+        # a torch.compile'd module runs eagerly on the tracked steps (see _eager_if)
+        self._compiled, model = _uncompiled(model)
         model, self._ddp = unwrap(model)
+        compiled_inside, model = _uncompiled(model)
+        self._compiled = self._compiled or compiled_inside
+        self._eager = None  # the compiler's eager stance, while entered
         self._sharded = _sharded(model, quantities)
         _check_ddp_options(self._ddp, quantities)
         self._world = current_world()
@@ -124,6 +139,7 @@ class Cockpit:
         self._output: dict[int, dict[str, Any]] = defaultdict(dict)
         self._unconverted: list[tuple[int, str]] = []
         self._capture = None
+        self._accumulation: _Accumulation | None = None  # the micro-batches seen of a step
         self._described_training = False
         self._last_step: int | None = None  # the last step that finished
         self._restored = False  # whether load_state_dict ran
@@ -144,8 +160,17 @@ class Cockpit:
         self._window = OUTPUT_WINDOW if log is not None else None
         self._sinks = sinks
         if first_step is None:
-            self._arm_if(any(type(q).request is not Quantity.request for q in quantities))
-            self._keep_graph_if(any(q.create_graph for q in quantities))
+            # the first step is unknown: arm for what any quantity may ask (its request can
+            # depend on the step; the output visitors it asks for do not)
+            request = Request(
+                calls=any(type(q).request is not Quantity.request for q in quantities)
+            )
+            for q in quantities:
+                request = request | q.request(0)
+            graph = any(q.create_graph for q in quantities)
+            self._arm_with(request)
+            self._keep_graph_if(graph)
+            self._eager_if(bool(request) or graph)
         else:
             self._arm_for(first_step)
 
@@ -154,83 +179,161 @@ class Cockpit:
         """Whether ``loss.backward`` must keep its graph at ``step`` (curvature quantities)."""
         return any(q.create_graph and q.is_active(step) for q in self.quantities)
 
-    @contextmanager
-    def __call__(self, step: int, info: dict):
-        """Track ``step``: enter after the forward, backpropagate inside.
+    def __call__(self, step: int, info: dict, *, micro_batch: int = 0, micro_batches: int = 1):
+        """Track ``step``: ``with cockpit(step, info):`` entered after the forward, with the
+        backward inside the block.
+
+        ``info["loss"]`` is the step's loss (the mean or the sum of
+        ``info["individual_losses"]``). The backward may be of any positive multiple
+        c * info["loss"] (``(loss / k).backward()``, ``scaler.scale(loss).backward()``): the
+        cockpit measures c as the gradient that arrives at ``info["loss"]`` and every value is
+        of the gradient of ``info["loss"]`` itself (exact for a power of two c). The block
+        holds the backward only: the gradients are read as it left them when the block ends,
+        so unscale (``scaler.unscale_``), clip and step after it (GradNorm is the norm before
+        clipping; Alpha and UpdateSize use the update the optimizer made).
+
+        Gradient accumulation: one block per micro-batch of an optimiser step,
+        ``with cockpit(step, info_i, micro_batch=i, micro_batches=k):`` for i = 0, ..., k-1 in
+        order, each around the backward of its own forward (in DDP's ``no_sync()`` or not).
+        The step's values are computed when micro-batch k-1 leaves its block, of all the
+        step's samples together, exactly as for one batch made of the k micro-batches (whose
+        loss is the mean over all their samples when each micro-batch's loss is its mean, the
+        sum when each is a sum).
 
         Everything that can be checked is checked on entering, before the backward: a bad
-        ``info`` or step raises there and changes nothing. An exception inside the block (the
-        user's own, a KeyboardInterrupt) propagates and leaves the cockpit ready for the next
-        step: the interrupted step stores nothing, and neither do the two-step values that
-        needed it (UpdateSize and Alpha of the tracked step before it).
+        ``info``, step or micro-batch raises there and changes nothing. An exception inside the
+        block (the user's own, a KeyboardInterrupt) propagates and leaves the cockpit ready for
+        the next step (or a retry of this one from micro-batch 0): the interrupted step stores
+        nothing, and neither do the two-step values that needed it (UpdateSize and Alpha of the
+        tracked step before it). A step whose gradients are not finite after a scaled backward
+        (c != 1: a step that ``torch.amp.GradScaler`` skips) stores its Loss only, with a
+        warning.
         """
-        self._check_step(step)
-        active = [q for q in self.quantities if q.is_active(step)]
+        return self._track(step, info, micro_batch, micro_batches)
+
+    @contextmanager
+    def _track(self, step: int, info: dict, micro_batch: int, micro_batches: int):
+        """The body of :meth:`__call__` (see there)."""
+        self._check_open()
+        accumulation = self._check_micro_batch(step, micro_batch, micro_batches)
+        if accumulation is None:
+            self._check_step(step)
+            active = [q for q in self.quantities if q.is_active(step)]
+        else:
+            active = accumulation.active
+        last = micro_batch == micro_batches - 1
+        single = micro_batches == 1
         if not active:
-            self._disarm()  # armed for this step, not needed by it
+            if accumulation is None:
+                self._disarm()  # armed for this step, not needed by it
             with self._interruptible(step, None):
                 yield self
-            self._finish(step, None)
+            if last:
+                self._accumulation = None
+                self._finish(step, None)
+            else:
+                self._accumulation = _Accumulation(step, micro_batches, micro_batch, active, [])
             return
         request = Request()
         for q in active:
             request = request | q.request(step)
+        if not single and accumulation is None:
+            self._check_accumulable(step, info)
         reduction, n = self._validate(step, info, active)
-        batch = self._global_batch(info["loss"].detach(), reduction, n)
-        if self._sharded and len(set(batch.sizes)) > 1:
-            raise ValueError(
-                f"Step {step}: the processes' batches have {list(batch.sizes)} samples; with "
-                "FSDP's sharded parameters the cockpit needs equal batches (FSDP averages the "
-                "processes' gradients, which is the global batch's only then)."
-            )
-        finite = batch.finite
+        parts = accumulation.parts if accumulation is not None else []
+        if not single:
+            _check_micro_batch_info(step, micro_batch, info, reduction, n, parts)
+        loss = _at_least_float32(info["loss"].detach())
+        if single:
+            batch = self._global_batch(loss, reduction, n)
+            if self._sharded and len(set(batch.sizes)) > 1:
+                raise ValueError(
+                    f"Step {step}: the processes' batches have {list(batch.sizes)} samples; "
+                    "with FSDP's sharded parameters the cockpit needs equal batches (FSDP "
+                    "averages the processes' gradients, which is the global batch's only then)."
+                )
+            finite = batch.finite
+        else:  # decided over every process and micro-batch when the last one ends
+            finite = bool(torch.isfinite(loss))
         if finite:
             _check_loss_graphs(step, info, active, self._capture, self.model)
         # nothing has changed up to here; from here on the step owns the capture
         capture, self._capture = self._capture, None
         if capture is not None:
             capture.disarm()
-        if request and finite and (capture is None or not capture.calls):
+        record = bool(request) and (finite or not single)
+        if single and record and (capture is None or not capture.calls):
             active, request = self._without_per_sample(step, active)
-        gradients: list[Tensor | None] = [None] * len(self.params)  # this process's
-        handles = []
-        if request and finite:
+            record = False
+        part = _MicroBatch(info, reduction, n, loss, capture if record else None)
+        if record:
             capture.record_gradients()
-        if (request and finite) or (self._world.size > 1 and not self._sharded):
+        handles = [_scale_recorder(info["loss"], part)]
+        graph = any(q.create_graph for q in active) and not single
+        if record or not single or (self._world.size > 1 and not self._sharded):
             # DDP may overwrite the tensor its hook saw with the average (also when the
-            # cockpit was given the module DDP wraps): keep a copy
-            keep = _store_copy_into if self._world.size > 1 else _store_into
-            handles = [p.register_hook(keep(gradients, k)) for k, p in enumerate(self.params)]
+            # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
+            # into it: keep a copy
+            keep = _store_copy_into if self._world.size > 1 or not single else _store_into
+            part.gradients = [None] * len(self.params)
+            part.graph = [None] * len(self.params) if graph else None
+            handles += [
+                p.register_hook(keep(part.gradients, k, part.graph))
+                for k, p in enumerate(self.params)
+            ]
         with self._interruptible(step, capture):
             try:
                 yield self
             finally:
                 for handle in handles:
-                    handle.remove()
+                    if handle is not None:
+                        handle.remove()
                 if capture is not None:
                     capture.stop_recording()
+        parts = [*parts, part]
+        if not last:  # the next micro-batch's forward comes next
+            self._accumulation = _Accumulation(step, micro_batches, micro_batch, active, parts)
+            self._arm_with(request)
+            return
+        self._accumulation = None
+        combined = None
         try:
+            combined = self._combined(parts, single, any(q.create_graph for q in active))
+            if not single:
+                batch = self._global_batch(combined.loss, reduction, combined.n)
+                finite = batch.finite
+            if finite and combined.scaled:
+                finite = self._finite_gradients(combined.gradients)
+                skipped = "its gradients are not finite after a scaled backward (a step "
+                skipped += "torch.amp.GradScaler skips)"
+            else:
+                skipped = f"the loss is {float(batch.loss)}"
             if finite:
                 _check_backward(step, active, self.params)
-                if request and not capture.calls_by_module():
+                if request and any(
+                    p.capture is None or not p.capture.calls_by_module() for p in parts
+                ):
                     active, request = self._without_per_sample(step, active)
-                values = self._compute(
-                    step, info, active, request, capture, gradients, reduction, batch
-                )
+                values = self._compute(step, info, active, request, combined, reduction, batch)
             else:
                 self._drop_pending()  # their ends would come two updates later
                 warnings.warn(
-                    f"Step {step}: the loss is {float(batch.loss)}; recorded it and "
-                    "skipped the other quantities at this step.",
+                    f"Step {step}: {skipped}; recorded the loss and skipped the other "
+                    "quantities at this step.",
                     stacklevel=3,
                 )
                 values = {step: {Loss.__name__: batch.loss}}
+            _add_learning_rates(values, step, info)
         except BaseException:
             self._drop_pending()
             raise
         finally:
-            self._average_unsynced_gradients(gradients, batch)
-            self._finish(step, capture)
+            if combined is not None:
+                self._average_unsynced_gradients(combined.unsynced)
+            for p in parts:
+                if p.capture is not None:
+                    p.capture.release()
+            self._finish(step, None)
         self._store(values)
 
     def log(self, step: int, **metrics) -> None:
@@ -301,6 +404,7 @@ class Cockpit:
         for sink in self._sinks:
             sink.close()
         self._keep_graph_if(False)
+        self._eager_if(False)
         self._closed = True
 
     # ------------------------------------------------------------------ internals
@@ -324,8 +428,9 @@ class Cockpit:
         elif step == last:
             raise ValueError(
                 f"Step {step} was already tracked. A second `with cockpit({step}, ...)` block "
-                "(gradient accumulation over micro-batches) would overwrite the first one's "
-                "values: track each optimizer step once, around one backward."
+                "would overwrite the first one's values: track each optimizer step once, around "
+                "one backward, or, for gradient accumulation over k micro-batches, give each "
+                "micro-batch's block micro_batch=i, micro_batches=k."
             )
         elif step < last:
             raise ValueError(
@@ -333,6 +438,138 @@ class Cockpit:
                 "of a step are stored under its number). A resumed run continues from the "
                 "checkpoint's next step."
             )
+
+    def _check_micro_batch(self, step, i, k) -> _Accumulation | None:
+        """The accumulation that micro-batch ``i`` of ``k`` continues (None for the first);
+        raises, before anything changes, where i and k do not follow the protocol."""
+        for name, value in (("micro_batch", i), ("micro_batches", k)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(
+                    f"cockpit(step, info, {name}=...) takes an int, got {value!r} "
+                    f"({type(value).__name__})."
+                )
+        if k < 1:
+            raise ValueError(
+                f"micro_batches={k}: an optimizer step has at least one micro-batch (the "
+                "default, 1, is one batch)."
+            )
+        if not 0 <= i < k:
+            raise ValueError(
+                f"micro_batch={i} with micro_batches={k}: number the micro-batches of a step "
+                f"0, ..., {k - 1}."
+            )
+        acc = self._accumulation
+        if i == 0:
+            if acc is not None:
+                raise ValueError(
+                    f"Step {step}, micro-batch 0: step {acc.step} has had micro-batches "
+                    f"0, ..., {acc.index} of {acc.k} so far; enter its micro-batch "
+                    f"{acc.index + 1} next (an exception inside a block abandons its step)."
+                )
+            return None
+        if acc is None:
+            raise ValueError(
+                f"Step {step}, micro-batch {i}: no micro-batch 0 of this step came before; "
+                "start each optimizer step at micro_batch=0."
+            )
+        if (step, k, i) != (acc.step, acc.k, acc.index + 1):
+            raise ValueError(
+                f"Step {step}, micro-batch {i} of {k}: expected step {acc.step}, micro-batch "
+                f"{acc.index + 1} of {acc.k} (the micro-batches of a step come in order, with "
+                "the step and micro_batches of its micro-batch 0)."
+            )
+        return acc
+
+    def _check_accumulable(self, step: int, info: dict) -> None:
+        """Micro-batches are of parameters that each process holds whole."""
+        if self._sharded:
+            raise ValueError(
+                f"Step {step}: micro_batches > 1 with FSDP's sharded parameters is not "
+                "supported; track one batch per optimizer step (micro_batches=1) under FSDP, "
+                "or accumulate under DistributedDataParallel."
+            )
+
+    def _combined(self, parts: list[_MicroBatch], single: bool, graph: bool) -> _Combined:
+        """What the step's micro-batches add up to: their batch, loss and gradients as if
+        they were one batch, each micro-batch's backward scale divided out (``graph``: also
+        the gradients with their graph, for the curvature quantities)."""
+        params, reduction = self.params, parts[0].reduction
+        scales = [part.scale() for part in parts]
+        if single:
+            (part,), (c,) = parts, scales
+            # p.grad with one process; under data parallelism what this process's backward
+            # gave each parameter (DDP's average is in p.grad)
+            raw = part.gradients
+            if raw is None or self._world.size == 1:
+                raw = [_local(p.grad).detach() if p.grad is not None else None for p in params]
+            gradients = [_unscaled(g, c) for g in raw]
+            calls, cast = None, None
+            if part.capture is not None:
+                calls = part.capture.calls_by_module()
+                cast = _in_float32(calls, self._engine)
+            return _Combined(
+                single=True,
+                scale=c,
+                loss=part.loss,
+                n=part.n,
+                individual_losses=_detached_losses(part.info),
+                gradients=gradients,
+                graph=[_unscaled(p.grad, c) for p in params] if graph else gradients,
+                calls=calls,
+                # a mean-reduced loss backpropagates c dl_n/dout / N: the factor N / c undoes it
+                factor=None if part.n is None else (part.n if reduction == "mean" else 1) / c,
+                check=part.gradients,
+                check_rtol=_check_rtol(cast),
+                unsynced=raw,
+            )
+        n = sum(part.n for part in parts)
+        weights = [part.n / n if reduction == "mean" else 1.0 for part in parts]
+        # micro-batch i's g_n is its captured output gradient times f_i (as for one batch)
+        factors = [(part.n if reduction == "mean" else 1) / c for part, c in zip(parts, scales)]
+        loss = sum(w * part.loss.double() for w, part in zip(weights, parts)).to(parts[0].loss)
+        per_unit = [w / c for w, c in zip(weights, scales)]
+        gradients = _weighted_sum([part.gradients for part in parts], per_unit)
+        graphs = gradients
+        if parts[0].graph is not None:
+            graphs = _weighted_sum([part.graph for part in parts], per_unit)
+        calls, micro_batches, cast = None, None, None
+        if all(part.capture is not None for part in parts):
+            per_part = [part.capture.calls_by_module() for part in parts]
+            for part_calls in per_part:
+                _check_inputs_unchanged(part_calls, self._engine)
+            micro_batches = [
+                MicroBatch(part_calls, part.info["individual_losses"], part.n / n)
+                for part_calls, part in zip(per_part, parts)
+            ]
+            casts = [_in_float32(part_calls, self._engine) for part_calls in per_part]
+            cast = next((c for c in casts if c is not None), None)
+            calls = _merged_calls(per_part, [part.n for part in parts], factors)
+        return _Combined(
+            single=False,
+            scale=1.0,
+            scaled=any(c != 1 for c in scales),
+            loss=loss,
+            n=n,
+            individual_losses=torch.cat([_detached_losses(part.info) for part in parts]),
+            gradients=gradients,
+            graph=graphs,
+            calls=calls,
+            factor=1.0,
+            check=_weighted_sum([part.gradients for part in parts], factors),
+            check_rtol=_check_rtol(cast),
+            unsynced=[p.grad.detach() if p.grad is not None else None for p in params],
+            micro_batches=micro_batches,
+        )
+
+    def _finite_gradients(self, gradients: list[Tensor | None]) -> bool:
+        """Whether every process's gradients are finite (one host transfer; one collective
+        of a number under data parallelism)."""
+        present = [g for g in gradients if g is not None]
+        finite = torch.stack(torch._foreach_norm(present)).isfinite().all() if present else True
+        flag = torch.tensor([0.0 if bool(finite) else 1.0], dtype=torch.float64)
+        if self._world.size > 1:
+            (flag,) = sum_over_processes([flag], self._world)
+        return bool(flag == 0)
 
     def _warn_fresh_start(self, step: int) -> None:
         """A run starting at step > 0 without a restored state: say what starts afresh."""
@@ -362,9 +599,14 @@ class Cockpit:
         except BaseException:
             if capture is not None:
                 capture.release()
+            if self._accumulation is not None:  # the step's earlier micro-batches
+                for part in self._accumulation.parts:
+                    if part.capture is not None:
+                        part.capture.release()
+                self._accumulation = None
             self._drop_pending()
             # the user may retry this step or go on to the next
-            self._arm_if(self._needs_capture(step) or self._needs_capture(step + 1))
+            self._arm_with(self._request(step) | self._request(step + 1))
             raise
 
     def _drop_pending(self) -> None:
@@ -404,18 +646,37 @@ class Cockpit:
             self._capture.release()
             self._capture = None
 
-    def _needs_capture(self, step: int) -> bool:
-        return any(q.is_active(step) and q.request(step) for q in self.quantities)
+    def _request(self, step: int) -> Request:
+        """What the quantities active at ``step`` ask of its captured forward and backward."""
+        request = Request()
+        for q in self.quantities:
+            if q.is_active(step):
+                request = request | q.request(step)
+        return request
 
     def _arm_for(self, step: int) -> None:
-        self._arm_if(self._needs_capture(step))
+        request = self._request(step)
+        self._arm_with(request)
         self._keep_graph_if(self.create_graph(step))
+        self._eager_if(bool(request) or self.create_graph(step))
 
-    def _arm_if(self, needed: bool) -> None:
+    def _eager_if(self, needed: bool) -> None:
+        """A compiled model (``torch.compile``) runs eagerly from the end of the step before a
+        step whose forward is captured or differentiated twice to that step's end
+        (``torch.compiler.set_stance("force_eager")``: the compiled code calls no module
+        hooks and keeps no double backward), and compiled on every other step."""
+        if needed and self._compiled and self._eager is None:
+            self._eager = torch.compiler.set_stance("force_eager")  # (set on creation)
+        elif not needed and self._eager is not None:
+            self._eager.__exit__(None, None, None)  # the stance before
+            self._eager = None
+
+    def _arm_with(self, request: Request) -> None:
+        """Capture the next forward for ``request`` (nothing is hooked when it is empty)."""
         self._disarm()
-        if needed:
+        if request:
             self._capture = self._engine.capture()
-            self._capture.arm()
+            self._capture.arm(request)
 
     def _validate(self, step, info, active) -> tuple[str, int | None]:
         if not isinstance(info, dict):
@@ -484,14 +745,18 @@ class Cockpit:
                 sink.update_metadata(update)
             self._described_training = True
 
-    def _compute(self, step, info, active, request, capture, gradients, reduction, batch):
-        """The values of the step's active quantities, {step they belong to: {name: value}}."""
+    def _compute(self, step, info, active, request, combined: _Combined, reduction, batch):
+        """The values of the step's active quantities, {step they belong to: {name: value}},
+        computed in float32 or better (outside any autocast region)."""
+        with _without_autocast(self.params[0].device.type):
+            return self._compute_exactly(step, info, active, request, combined, reduction, batch)
+
+    def _compute_exactly(self, step, info, active, request, combined, reduction, batch):
         n, local_n = batch.size, batch.sizes[self._world.rank]
         if self._sinks and not self._described_training:
             self._describe_training(info, batch)
-        grads = self._global_gradients(gradients, reduction, batch)
+        grads = self._global_gradients(combined, reduction, batch)
         mean_grad = grads if reduction == "mean" or n is None else [g / n for g in grads]
-        losses = info.get("individual_losses")
         data = StepData(
             step=step,
             params=[_local(p).detach() for p in self.params],
@@ -500,27 +765,30 @@ class Cockpit:
             info=info,
             reduction=reduction,
             batch_size=n,
-            individual_losses=losses.detach() if losses is not None else None,
+            individual_losses=combined.individual_losses,
             grads=grads,
             mean_grad=mean_grad,
-            graph_grads=[p.grad for p in self.params],
+            graph_grads=combined.graph,
             tracked=self.params,
             model=self.model,
             active=tuple(active),
             world=self._world,
             batch_sizes=batch.sizes,
             sharded=self._sharded,
+            micro_batches=combined.micro_batches,
         )
         if self._world.size > 1 and not self._sharded:
             data.local_grads = [
                 g if g is not None else torch.zeros_like(p)
-                for g, p in zip(gradients, self.params, strict=True)
+                for g, p in zip(combined.gradients, self.params, strict=True)
             ]
         if request:
-            # a mean-reduced loss backpropagates dl_n/dout / N: the factor N undoes that
-            factor = local_n if reduction == "mean" else 1
             data.captured = self._engine.step(
-                capture.calls_by_module(), local_n, factor, gradients=gradients
+                combined.calls,
+                local_n,
+                combined.factor,
+                gradients=combined.check,
+                rtol=combined.check_rtol,
             )
         directions = {"grad": mean_grad}
         for q in active:
@@ -578,31 +846,38 @@ class Cockpit:
             bool(torch.isfinite(losses).all()),
         )
 
-    def _global_gradients(self, gradients, reduction: str, batch: _Batch) -> list[Tensor]:
+    def _global_gradients(self, combined: _Combined, reduction: str, batch: _Batch):
         """The gradient of the global loss (as reduced), per tracked parameter.
 
         One process: ``p.grad``. Under DDP with equal batches, DDP's average of the
         processes' gradients is the global mean's (a step in no_sync() makes that all-reduce
         itself). Otherwise the processes' gradient sums sum_n grad l_n are added (one
         all-reduce of the parameters' size; with the average that DDP would have made packed
-        in, when this step ran in no_sync)."""
+        in, when this step ran in no_sync). Micro-batches: the combined gradient of all of
+        them (p.grad holds their c_i-weighted sum). Every gradient is divided by the measured
+        backward scale c."""
         world = self._world
+        own = combined.single  # p.grad is the gradient of this step's one backward
         if world.size == 1:
-            return [
-                _local(p.grad).detach() if p.grad is not None else torch.zeros_like(_local(p))
-                for p in self.params
-            ]
-        local = [
-            g if g is not None else torch.zeros_like(p) for g, p in zip(gradients, self.params)
-        ]
+            return _zeros_where_none(combined.gradients, self.params)
+        local = _zeros_where_none(combined.gradients, self.params)
         synced = self._sharded or (self._ddp is not None and self._no_sync is None)
-        if synced and len(set(batch.sizes)) == 1:
+        if own and synced and len(set(batch.sizes)) == 1:
             averaged = [
-                _local(p.grad).detach() if p.grad is not None else torch.zeros_like(_local(p))
+                _unscaled(_local(p.grad).detach(), combined.scale)
+                if p.grad is not None
+                else torch.zeros_like(_local(p))
                 for p in self.params
             ]
             return averaged if reduction == "mean" else [g * world.size for g in averaged]
-        if self._ddp is not None and self._no_sync is not None and len(set(batch.sizes)) == 1:
+        # DDP's average is packed in only where it is that of the gradients used here
+        packed = own and not combined.scaled
+        if (
+            packed
+            and self._ddp is not None
+            and self._no_sync is not None
+            and len(set(batch.sizes)) == 1
+        ):
             # equal batches: the all-reduce DDP skipped gives both (sum_r g_r / W is DDP's
             # average, and the global mean for a mean-reduced loss)
             summed = sum_over_processes(local, world)
@@ -610,7 +885,7 @@ class Cockpit:
             return [g / world.size for g in summed] if reduction == "mean" else summed
         weight = batch.sizes[world.rank] if reduction == "mean" else 1
         sums = [g * weight for g in local]
-        if self._ddp is not None and self._no_sync is not None:
+        if packed and self._ddp is not None and self._no_sync is not None:
             *sums, self._ddp_average = _split(
                 sum_over_processes(sums + [torch.cat([g.reshape(-1) for g in local])], world),
                 self.params,
@@ -620,16 +895,14 @@ class Cockpit:
         total = batch.size or sum(batch.sizes)
         return [s / total for s in sums] if reduction == "mean" else sums
 
-    def _average_unsynced_gradients(self, gradients, batch: _Batch) -> None:
+    def _average_unsynced_gradients(self, gradients) -> None:
         """A step run in DDP's no_sync(): give each parameter the gradient DDP would have,
-        the average over the processes of theirs."""
+        the average over the processes of ``gradients`` (theirs, as backpropagated)."""
         if self._ddp is None or self._no_sync is None:
             return
         average = self._ddp_average
         if average is None:
-            local = [
-                g if g is not None else torch.zeros_like(p) for g, p in zip(gradients, self.params)
-            ]
+            local = _zeros_where_none(gradients, self.params)
             average = sum_over_processes(local, self._world)
         else:
             average = list(average)
@@ -732,6 +1005,283 @@ class _Batch:
     finite: bool
 
 
+@dataclass
+class _MicroBatch:
+    """One micro-batch of a step, as its block left it: its info, reduction, N_i and loss,
+    its capture (None when nothing was captured), the gradient each parameter received in
+    its backward (``gradients``, detached; ``graph`` with its graph, for the curvature
+    quantities), and the gradient that arrived at its ``info["loss"]``."""
+
+    info: dict
+    reduction: str
+    n: int | None
+    loss: Tensor
+    capture: Any
+    gradients: list[Tensor | None] | None = None
+    graph: list[Tensor | None] | None = None
+    loss_gradient: Tensor | None = None
+
+    def scale(self) -> float:
+        """c: the backward was of c * info["loss"] (1 where no gradient reached the loss, as
+        in a backward of another tensor)."""
+        if self.loss_gradient is None:
+            return 1.0
+        c = float(self.loss_gradient.reshape(()))
+        if not c > 0:
+            raise ValueError(
+                f"The backward was of {c:g} * info['loss']: backpropagate a positive multiple "
+                "of info['loss'] (loss.backward(), (loss / k).backward(), "
+                "scaler.scale(loss).backward())."
+            )
+        return c
+
+
+@dataclass
+class _Accumulation:
+    """The micro-batches of ``step`` seen so far: 0, ..., ``index`` of ``k``."""
+
+    step: int
+    k: int
+    index: int
+    active: list
+    parts: list[_MicroBatch]
+
+
+@dataclass
+class _Combined:
+    """A step's micro-batches as one batch (see :meth:`Cockpit._combined`): the local loss,
+    N, per-sample losses and gradients (of the loss itself: the backward scale divided
+    out), the gradients with their graph, the captured calls and their output-gradient
+    factor, the engine check's gradients (``check`` times ``factor`` is sum_n g_n) and its
+    tolerance, and the gradients as backpropagated (what DDP would average)."""
+
+    single: bool
+    scale: float
+    loss: Tensor
+    n: int | None
+    individual_losses: Tensor | None
+    gradients: list[Tensor | None]
+    graph: list[Tensor | None]
+    calls: dict | None
+    factor: float | None
+    check: list[Tensor | None] | None
+    check_rtol: float | None
+    unsynced: list[Tensor | None]
+    micro_batches: list[MicroBatch] | None = None
+    scaled: bool | None = None
+
+    def __post_init__(self):
+        if self.scaled is None:
+            self.scaled = self.scale != 1
+
+
+def _check_micro_batch_info(step, i, info, reduction, n, parts) -> None:
+    """Every micro-batch of a step gives its number of samples and reduces alike."""
+    if n is None:
+        raise ValueError(
+            f"Step {step}, micro-batch {i}: with micro_batches > 1 each micro-batch weighs by "
+            "its samples; pass info['batch_size'] or info['individual_losses']."
+        )
+    if parts and reduction != parts[0].reduction:
+        raise ValueError(
+            f"Step {step}, micro-batch {i}: info['loss'] is the {reduction} of the per-sample "
+            f"losses, micro-batch 0's was their {parts[0].reduction}: reduce every micro-batch "
+            "alike (the step's loss is the mean over all its samples, or their sum)."
+        )
+
+
+def _scale_recorder(loss: Tensor, part: _MicroBatch):
+    """A hook on ``info["loss"]`` that keeps the gradient arriving there (c of a backward of
+    c * loss), or None for a loss without graph."""
+    if not loss.requires_grad:
+        return None
+
+    def record(grad):
+        part.loss_gradient = grad.detach()
+
+    return loss.register_hook(record)
+
+
+def _unscaled(t: Tensor | None, c: float) -> Tensor | None:
+    """t / c (t itself for c = 1, and None for None)."""
+    return t if t is None or c == 1 else t / c
+
+
+def _weighted_sum(lists: list[list[Tensor | None] | None], weights: list[float]) -> list:
+    """sum_i w_i t_i per parameter (None where no t_i is)."""
+    out = []
+    for k in range(len(next(l for l in lists if l is not None))):
+        terms = [(w, l[k]) for l, w in zip(lists, weights) if l is not None and l[k] is not None]
+        out.append(sum(w * t for w, t in terms) if terms else None)
+    return out
+
+
+def _zeros_where_none(tensors, params) -> list[Tensor]:
+    return [
+        t if t is not None else torch.zeros_like(_local(p))
+        for t, p in zip(tensors, params, strict=True)
+    ]
+
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _at_least_float32(t: Tensor) -> Tensor:
+    """``t`` in float32 where it is a 16-bit float (autocast), else itself."""
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
+def _detached_losses(info: dict) -> Tensor | None:
+    losses = info.get("individual_losses")
+    return None if losses is None else _at_least_float32(losses.detach())
+
+
+def _check_inputs_unchanged(calls: dict, engine) -> None:
+    for module, module_calls in calls.items():
+        for call in module_calls:
+            call.check_inputs_unchanged(engine.module_name(module))
+
+
+def _in_float32(calls: dict, engine) -> torch.dtype | None:
+    """Cast the captured inputs and output gradients of 16-bit floats (a forward under
+    autocast) to float32, in place, so that every statistic is computed in float32 or better;
+    the lowest precision cast, or None."""
+    cast = [
+        t.dtype
+        for module_calls in calls.values()
+        for call in module_calls
+        for t in [*call.inputs, *call.grad_outputs]
+        if t is not None and t.dtype in _LOW_PRECISION
+    ]
+    if not cast:
+        return None
+    _check_inputs_unchanged(calls, engine)  # (the cast tensors are new)
+    for module_calls in calls.values():
+        for call in module_calls:
+            call.args, call.kwargs = pytree.tree_map_only(
+                Tensor, _at_least_float32, (call.args, call.kwargs)
+            )
+            call.inputs = [_at_least_float32(t) for t in call.inputs]
+            call.input_versions = [t._version for t in call.inputs]
+            call.grad_outputs = [
+                g if g is None else _at_least_float32(g) for g in call.grad_outputs
+            ]
+            for out in call.outputs:
+                if out.dtype in _LOW_PRECISION:
+                    out.dtype = torch.float32
+    return max(cast, key=lambda dtype: torch.finfo(dtype).eps)
+
+
+def _check_rtol(cast: torch.dtype | None) -> float | None:
+    """The engine check's tolerance for statistics of tensors captured in ``cast``: the
+    backward rounded each product to it."""
+    return None if cast is None else 4 * torch.finfo(cast).eps
+
+
+def _merged_calls(per_part: list[dict], sizes: list[int], factors: list[float]) -> dict:
+    """The calls of k micro-batches' forwards as those of one forward of their concatenated
+    batch: call j of each module is the concatenation along the batch axis of the
+    micro-batches' calls j (tensors that do not carry a micro-batch's samples, such as a
+    position table's indices, are taken from the first), micro-batch i's output gradients
+    multiplied by f_i, so that the merged calls' output-gradient factor is 1. The merged calls
+    have no graph of their own: the curvature quantities read each micro-batch's."""
+    modules = list(per_part[0])
+    for i, part in enumerate(per_part[1:], start=1):
+        if set(part) != set(modules) or any(len(part[m]) != len(per_part[0][m]) for m in modules):
+            raise RuntimeError(
+                f"Micro-batch {i} called the model's modules differently from micro-batch 0 "
+                "(other modules, or a module another number of times): the step's micro-batches "
+                "must run the same forward on their own samples."
+            )
+    return {
+        m: [_merged_call(calls, sizes, factors) for calls in zip(*(part[m] for part in per_part))]
+        for m in modules
+    }
+
+
+def _merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float]) -> ModuleCall:
+    first = calls[0]
+    axis = first.batch_axis
+
+    def batched(ts) -> bool:
+        return all(
+            t.dim() > axis
+            and t.shape[axis] == n
+            and t.shape[:axis] + t.shape[axis + 1 :]
+            == ts[0].shape[:axis] + ts[0].shape[axis + 1 :]
+            for t, n in zip(ts, sizes)
+        )
+
+    def merged(values):
+        if isinstance(values[0], Tensor) and all(isinstance(v, Tensor) for v in values):
+            if batched(values):
+                return torch.cat(values, axis)
+        return values[0]
+
+    flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
+    spec = flat[0][1]
+    args, kwargs = pytree.tree_unflatten(
+        [merged(values) for values in zip(*(leaves for leaves, _ in flat))], spec
+    )
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    outputs, grad_outputs = [], []
+    for j, out in enumerate(first.outputs):
+        shapes = [c.outputs[j].shape for c in calls]
+        shape = list(out.shape)
+        if len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes)):
+            shape[axis] = sum(sizes)
+        outputs.append(copy.copy(out))
+        outputs[-1].shape = torch.Size(shape)
+        grads = [c.grad_outputs[j] for c in calls]
+        if all(g is None for g in grads):
+            grad_outputs.append(None)
+            continue
+        grad_outputs.append(
+            torch.cat(
+                [
+                    g * f if g is not None else torch.zeros(s, dtype=out.dtype, device=out.device)
+                    for g, f, s in zip(grads, factors, shapes)
+                ],
+                axis,
+            )
+        )
+    call = ModuleCall(
+        module=first.module,
+        args=args,
+        kwargs=kwargs,
+        outputs=outputs,
+        nodes=first.nodes,  # (only counted: the merged call's graph is not read)
+        node_outputs=first.node_outputs,
+        batch_axis=axis,
+        inputs=inputs,
+        input_versions=[t._version for t in inputs],
+    )
+    call.grad_outputs = grad_outputs
+    return call
+
+
+def _add_learning_rates(values: dict, step: int, info: dict) -> None:
+    """Store the learning rate of ``info["optimizer"]`` at ``step`` (under "learning_rate",
+    the name the dashboard and the diagnosis read): one number, or one per parameter group
+    where the groups' differ, so that a scheduler's rates are in the run's record."""
+    groups = getattr(info.get("optimizer"), "param_groups", None)
+    if not groups or not all(isinstance(g.get("lr"), (int, float, Tensor)) for g in groups):
+        return
+    rates = [float(g["lr"]) for g in groups]
+    values[step][LEARNING_RATE] = rates[0] if len(set(rates)) == 1 else rates
+
+
+@contextmanager
+def _without_autocast(device_type: str):
+    """No autocast region (the user's forward may have run in one, with the block inside)."""
+    try:
+        region = torch.autocast(device_type, enabled=False)
+    except RuntimeError:  # a device type without autocast
+        region = contextlib.nullcontext()
+    with region:
+        yield
+
+
 def _split(flat: list[Tensor], params) -> list:
     """[*per-parameter tensors, per-parameter views of the last (flat) tensor]."""
     *head, packed = flat
@@ -784,6 +1334,14 @@ def _sharded(model: nn.Module, quantities: list[Quantity]) -> bool:
             "DistributedDataParallel."
         )
     return True
+
+
+def _uncompiled(model: nn.Module) -> tuple[bool, nn.Module]:
+    """(whether ``model`` is a torch.compile'd module, the module it compiles)."""
+    # (by name: importing torch._dynamo to compare the class takes seconds)
+    if type(model).__name__ == "OptimizedModule" and isinstance(model._orig_mod, nn.Module):
+        return True, model._orig_mod
+    return False, model
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -924,7 +1482,8 @@ def _tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], l
 def _reduction(loss: Tensor, losses: Tensor) -> str:
     """'mean' or 'sum', from how ``loss`` relates to the per-sample ``losses``."""
     mean, total = losses.mean(), losses.sum()
-    rtol = 1e-10 if loss.dtype == torch.float64 else 1e-4
+    # (16-bit losses of a forward under autocast: to their precision)
+    rtol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(loss.dtype, 1e-2)
     if not torch.isfinite(loss) or torch.isclose(loss, mean, rtol=rtol, atol=rtol * abs(mean)):
         return "mean"
     if torch.isclose(loss, total, rtol=rtol, atol=rtol * abs(total)):
@@ -936,15 +1495,19 @@ def _reduction(loss: Tensor, losses: Tensor) -> str:
     )
 
 
-def _store_into(slots: list, k: int):
+def _store_into(slots: list, k: int, graph: list | None = None):
     def store(grad):
         slots[k] = grad.detach()
+        if graph is not None:
+            graph[k] = grad
 
     return store
 
 
-def _store_copy_into(slots: list, k: int):
+def _store_copy_into(slots: list, k: int, graph: list | None = None):
     def store(grad):
         slots[k] = grad.detach().clone()
+        if graph is not None:  # (a backward with create_graph adds out of place)
+            graph[k] = grad
 
     return store

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from numbers import Integral, Real
 
 import numpy as np
@@ -47,11 +48,7 @@ def linear(interval: int, offset: int = 0) -> Schedule:
     _check_integer("linear(interval=...)", interval, 1)
     _check_integer("linear(offset=...)", offset, 0)
 
-    def schedule(step: int) -> bool:
-        return step >= offset and (step - offset) % interval == 0
-
-    schedule.__doc__ = f"linear(interval={interval}, offset={offset})"
-    return schedule
+    return _Linear(interval, offset)
 
 
 def logarithmic(
@@ -92,13 +89,39 @@ def logarithmic(
     if init:
         tracked.add(0)
 
-    def schedule(step: int) -> bool:
-        return step in tracked
+    description = f"logarithmic(start={start}, end={end}, steps={steps}, base={base}, init={init})"
+    return _Steps(frozenset(tracked), description)
 
-    schedule.__doc__ = (
-        f"logarithmic(start={start}, end={end}, steps={steps}, base={base}, init={init})"
-    )
-    return schedule
+
+@dataclass(frozen=True)
+class _Linear:
+    """The steps ``offset + k * interval``; a plain object, so that a quantity pickles (e.g.
+    into the processes of a spawned data-parallel run)."""
+
+    interval: int
+    offset: int
+
+    def __call__(self, step: int) -> bool:
+        return step >= self.offset and (step - self.offset) % self.interval == 0
+
+    @property
+    def __doc__(self) -> str:  # what describe() shows
+        return f"linear(interval={self.interval}, offset={self.offset})"
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """A fixed set of steps, described by the call that built it."""
+
+    steps: frozenset
+    description: str
+
+    def __call__(self, step: int) -> bool:
+        return step in self.steps
+
+    @property
+    def __doc__(self) -> str:
+        return self.description
 
 
 def describe(schedule: Schedule) -> str:

@@ -1,6 +1,7 @@
 """The cockpit protocol (SPEC section 1) and its errors (SPEC section 5)."""
 
 import gc
+import pydoc
 import warnings
 
 import models
@@ -331,3 +332,86 @@ def test_the_output_prints_short_and_holds_every_value():
     full = {step: dict(values) for step, values in output.items()}
     assert output == full and len(output[29]["GradHist1d"]["hist"]) == 100
     assert len(repr(output)) < len(repr(full)) / 10 and "..." in repr(output)
+
+
+def test_help_of_a_call_shows_the_protocol():
+    for documented in (Cockpit.__call__, Cockpit(models.mlp()[0], [quantities.Loss()]).__call__):
+        text = pydoc.render_doc(documented, renderer=pydoc.plaintext)
+        assert "Call self as a function" not in text
+        for part in ("micro_batch=i, micro_batches=k", 'c * info["loss"]', "GradScaler"):
+            assert part in text, part
+
+
+def alpha_by_definition(before, after, losses_at, per_sample_at) -> float:
+    """Alpha of SPEC section 2 from the measured update theta_after - theta_before: the
+    per-sample losses and gradients (by a loop over samples) at both ends, the fit by its
+    normal equations."""
+    s = torch.cat([(a - b).reshape(-1) for a, b in zip(after, before, strict=True)])
+    tau = float(s.norm())
+    u = s / tau
+    f0, f1 = losses_at[0], losses_at[1]
+    d0, d1 = per_sample_at[0] @ u, per_sample_at[1] @ u
+    y = torch.stack([f0.mean(), f1.mean(), d0.mean(), d1.mean()])
+    var = torch.stack([f0.var(), f1.var(), d0.var(), d1.var()])
+    var = torch.where(var == 0, torch.full_like(var, 1e-10), var)
+    phi = torch.tensor([[1, 0, 0], [1, tau, tau**2], [0, 1, 0], [0, 1, 2 * tau]], dtype=y.dtype)
+    w = torch.linalg.solve(phi.T @ (phi / var[:, None]), phi.T @ (y / var))
+    return -1.0 if w[2] < 0 else float(tau / (-w[1] / (2 * w[2])) - 1)
+
+
+@pytest.mark.parametrize("in_closure", [False, True], ids=["after the block", "in a closure"])
+@pytest.mark.parametrize("clip", [0.05, None], ids=["clipped", "unclipped"])
+def test_clipping_with_plain_sgd_gives_alpha_of_the_measured_update(in_closure, clip):
+    """Also when the block and the clipping run inside ``optimizer.step(closure)``, as in
+    Lightning, where the step's pre-hook has passed before the backward."""
+    model, X, y, loss_fn = models.mlp(n=6)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    cockpit = Cockpit(model, [quantities.Alpha(), quantities.GradNorm()])
+    thetas, losses_at, per_sample_at, norms = [], [], [], []
+    for step in range(2):
+        thetas.append([p.detach().clone() for p in model.parameters()])
+        per_sample_at.append(
+            torch.cat([g.flatten(1) for g in models.per_sample_gradients(model, X, y, loss_fn)], 1)
+        )
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        losses_at.append(losses.detach())
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 6}
+        info["optimizer"] = opt
+
+        def closure(info=info, step=step):
+            with cockpit(step, info):
+                info["loss"].backward()
+            if clip is not None:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+            else:
+                norms.append(float(torch.linalg.vector_norm(_flat_grad(model))))
+
+        if in_closure:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+        opt.zero_grad()  # (as a validation pass between the steps would)
+    output = cockpit.get_output()
+    assert clip is None or norms[0] > clip  # the step was clipped
+    expected = alpha_by_definition(thetas[0], thetas[1], losses_at, per_sample_at)
+    assert output[0]["Alpha"] == pytest.approx(expected, rel=1e-9)
+    # GradNorm is read in the block: the norm before clipping
+    assert sum(v**2 for v in output[0]["GradNorm"]) ** 0.5 == pytest.approx(norms[0], rel=1e-12)
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_the_learning_rate_of_a_scheduler_is_stored_per_step():
+    model, X, y, loss_fn = models.mlp(n=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    cockpit = Cockpit(model, [quantities.Loss()])
+    for step in range(3):
+        train(cockpit, model, X, y, loss_fn, 1, opt=opt, start=step)
+        scheduler.step()
+    output = cockpit.get_output()
+    assert [output[s]["learning_rate"] for s in range(3)] == pytest.approx([0.1, 0.05, 0.025])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import pickle
 
 import numpy as np
 import pytest
@@ -94,3 +95,12 @@ def test_logarithmic_refuses_nonsensical_arguments(kwargs, error, match):
     arguments = {"start": 0, "end": 2, **kwargs}
     with pytest.raises(error, match=match):
         logarithmic(**arguments)
+
+
+@pytest.mark.parametrize("schedule", [linear(3, offset=1), logarithmic(0, 2, steps=5)])
+def test_a_schedule_pickles_with_its_steps(schedule):
+    """A spawned process (Lightning's ddp_spawn, multiprocessing) receives the quantities
+    pickled: their schedules must pickle and keep their steps and description."""
+    copy = pickle.loads(pickle.dumps(schedule))
+    assert [copy(s) for s in range(200)] == [schedule(s) for s in range(200)]
+    assert describe(copy) == describe(schedule)

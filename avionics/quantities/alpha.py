@@ -15,9 +15,11 @@ The projections at t need s, which for most optimizers exists only after ``optim
   them. Only s / tau is kept until t+1: a copy of the gradient, except for Linear weights
   whose mean gradient (1/N) sum_m delta_m x_m^T has factors smaller than the weight, which
   keep the factors and are projected on at t+1 from cross inner products (N^2 (I + O)
-  instead of N I O; :mod:`avionics.persample.rules.factored`). (This assumes that the
-  optimizer steps every tracked parameter on its gradient as the cockpit saw it: no gradient
-  clipping between the backward and ``optimizer.step()``.)
+  instead of N I O; :mod:`avionics.persample.rules.factored`). That holds when the optimizer
+  steps on the gradient the cockpit saw: a step pre-hook compares the gradients' norms when
+  ``optimizer.step()`` starts, and where they changed since (gradient clipping, a gradient
+  edited by hand), s is measured instead, as for every other optimizer (theta_t copied in
+  that hook, before the step).
 * every other optimizer: theta_t and the start step's ``StepData.captured`` (its captured
   layer inputs and output gradients, never N x D per-sample gradients) are kept until s can
   be measured, and the start step's g_n are projected onto it in one pass of the engine, with
@@ -171,8 +173,12 @@ class _Start:
         self.params: list[Tensor] | None = None  # theta_t, when s is measured
         self.captured = None  # the start step's CapturedStep, until s is measured
         self._hook = None  # on the optimizer's step, while it is awaited
+        self._closure_hook = None  # plain SGD: the end of a step that ran the block (closure)
         self._stepped: list[Tensor] | None = None  # the parameters, updated by the step
         self._norms: Tensor | None = None  # their norms when the step returned
+        # plain SGD: the gradient's norms, the capture and whether to measure at the step,
+        # until optimizer.step() starts
+        self._predicted: tuple | None = None
 
     @classmethod
     def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
@@ -194,6 +200,13 @@ class _Start:
             start.tau = lr * grad_norm
             start.projections = projections / -_positive(g_norm.to(projections.dtype))
             start.unit = _unit_step(data, grad_norm, g_norm)
+            register = getattr(optimizer, "register_step_pre_hook", None)
+            if register is not None and data.captured is not None:
+                # check when optimizer.step() starts that it steps on the gradient seen here;
+                # or when it ends, if the block ran inside it (optimizer.step(closure))
+                start._predicted = (_norms(data.grads), data.captured, at_optimizer_step)
+                start._hook = register(start._before_step)
+                start._closure_hook = optimizer.register_step_post_hook(start._after_closure)
         else:
             if data.captured is None:
                 raise RuntimeError(f"Step {data.step}: Alpha needs the step's per-sample data.")
@@ -204,6 +217,50 @@ class _Start:
                 start._stepped = data.params
                 start._hook = register(start._after_step)
         return start
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        """Plain SGD: when ``optimizer.step()`` starts, check that the gradients are those the
+        tracked step saw (the update is then -lr g, as predicted). Where they changed since
+        (clipping, ``GradScaler``'s unscaling of another scale, a gradient edited by hand),
+        the update is measured instead, as for any other optimizer: theta_t is copied now,
+        before the step, and the capture kept until s is known."""
+        self._hook.remove()
+        self._hook = None
+        self._closure_hook.remove()
+        self._closure_hook = None
+        (norms, captured, at_optimizer_step), self._predicted = self._predicted, None
+        tracked = captured.engine.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
+        if not bool(_changed(_norms(grads), norms)):
+            return
+        self.unit = self.tau = self.per_tau = self.projections = None
+        self.params = [p.detach().clone() for p in tracked]  # theta_t: the step has not run
+        self.captured = captured
+        if at_optimizer_step:
+            self._stepped = [p.detach() for p in tracked]
+            self._hook = optimizer.register_step_post_hook(self._after_step)
+
+    def _after_closure(self, optimizer, args, kwargs) -> None:
+        """Plain SGD, when the tracked block ran inside ``optimizer.step(closure)`` (Lightning):
+        the step that just ended used the gradients now in ``p.grad`` (SGD leaves them as they
+        are), possibly changed after the block (Lightning clips inside the closure). Where
+        they changed, the update was s = -lr * p.grad: theta_t = theta_{t+1} - s, and s is
+        projected on as for a measured update."""
+        self._hook.remove()
+        self._closure_hook.remove()
+        self._hook = self._closure_hook = None
+        (norms, captured, _), self._predicted = self._predicted, None
+        tracked = captured.engine.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in tracked]
+        if not bool(_changed(_norms(grads), norms)):
+            return
+        lr = plain_sgd_learning_rate(optimizer)
+        stepped = [p.detach() for p in tracked]
+        self.unit = self.tau = self.per_tau = self.projections = None
+        self.params = torch._foreach_add(stepped, grads, alpha=lr)  # theta_t
+        self.captured = captured
+        self.finish_update(stepped)
+        self._norms = _norms(stepped)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         """Measure s and project as soon as ``optimizer.step()`` returns; remember the
@@ -218,9 +275,10 @@ class _Start:
         A zero update gives a zero unit direction and zero projections (reported by
         :meth:`alpha`), so that nothing here waits for the device.
         """
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
+        for hook in (self._hook, self._closure_hook):
+            if hook is not None:
+                hook.remove()
+        self._hook = self._closure_hook = None
         if self.unit is not None:
             return
         # the direction is s itself (projections are divided by tau afterwards: one pass over

@@ -47,6 +47,18 @@ from avionics.schedules import Schedule, describe, linear
 PER_SAMPLE_LOSSES = "individual_losses"
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch of a step accumulated over several (:attr:`StepData.micro_batches`):
+    its captured calls (module -> calls, with their graph), its per-sample losses (with
+    theirs) and its share N_i / N of the step's samples: a curvature diagonal of the step's
+    mean loss is sum_i share_i times micro-batch i's of its own mean loss."""
+
+    calls: dict
+    individual_losses: Tensor
+    share: float
+
+
 @dataclass
 class StepData:
     """Everything a quantity may read at one step, after the backward, before the update.
@@ -87,6 +99,13 @@ class StepData:
             any all-reduce), per tracked parameter; None with one process.
         sharded: whether each process holds only a shard of each parameter (FSDP):
             ``params`` and ``grads`` are then this process's shards.
+        micro_batches: a step accumulated over k > 1 micro-batches (``cockpit(step, info,
+            micro_batch=i, micro_batches=k)``): per micro-batch its captured calls with their
+            graph, its per-sample losses with theirs and its share of the step's samples
+            (:class:`MicroBatch`), for the curvature quantities that
+            backpropagate through them; None for one batch. Everything else in the step's
+            data is of all its micro-batches together, as one batch (``captured`` too, without
+            a graph of its own), with ``info`` the last micro-batch's.
     """
 
     step: int
@@ -112,6 +131,7 @@ class StepData:
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     local_grads: list[Tensor] | None = None
     sharded: bool = False
+    micro_batches: list[MicroBatch] | None = None
     _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
 
     @property
@@ -152,19 +172,43 @@ class Quantity:
     differentiate the gradient again), ``output`` (what their value is), and implement
     :meth:`compute`; per-sample quantities override :meth:`request`. A quantity with state
     that a resumed run needs overrides :meth:`state_dict` and :meth:`load_state_dict`.
+
+    ``per_layer=True`` reads a quantity defined as a sum over the tracked parameters (or a
+    ratio of such sums) per parameter too: its class sets ``per_layer_output``, adds the
+    per-parameter sums to :meth:`sums` (added over the processes like the global ones) and
+    returns :meth:`layered` of the global value and the per-parameter ones. Other quantities
+    refuse it when built.
     """
 
     info_keys: tuple[str, ...] = ()
     create_graph: bool = False
     output: Output = SCALAR
+    # The output of the value read per layer (``per_layer=True``, see :meth:`layered`):
+    # ``per_parameter("sum")`` for a sum over the tracked parameters, ``PER_LAYER`` for a ratio
+    # of such sums; None for a quantity without a per-layer reading.
+    per_layer_output: Output | None = None
 
-    def __init__(self, schedule: Schedule | None = None):
+    def __init__(self, schedule: Schedule | None = None, per_layer: bool = False):
         if schedule is not None and not callable(schedule):
             raise TypeError(
                 f"{type(self).__name__}(schedule=...) takes a schedule such as "
                 f"avionics.schedules.linear(1), got {schedule!r}."
             )
+        check_per_layer(type(self), per_layer)
         self.schedule = schedule if schedule is not None else linear(1)
+        self.per_layer = per_layer
+        if per_layer:
+            self.output = self.per_layer_output
+
+    def layered(self, global_value: Tensor, per_parameter: Tensor):
+        """The value read per layer, from the global value and the same statistic of each
+        tracked parameter alone (of that parameter's own sums; for a ratio of sums over the
+        parameters, the ratio of that parameter's sums): ``per_parameter`` for a sum over the
+        parameters (their sum is the global value), else ``{"global": global_value,
+        "per_parameter": per_parameter}``."""
+        if self.per_layer_output.is_per_parameter:
+            return per_parameter
+        return {"global": global_value, "per_parameter": per_parameter}
 
     @property
     def name(self) -> str:
@@ -172,7 +216,8 @@ class Quantity:
         return type(self).__name__
 
     def describe(self) -> str:
-        return f"{self.name}({describe(self.schedule)})"
+        layered = ", per_layer=True" if getattr(self, "per_layer", False) else ""
+        return f"{self.name}({describe(self.schedule)}{layered})"
 
     def is_active(self, step: int) -> bool:
         """Whether :meth:`compute` must run at ``step``."""
@@ -281,6 +326,61 @@ def mean_gradient_sq_norm(data: StepData) -> Tensor:
     if "g_sq" not in data.shared:
         data.shared["g_sq"] = global_norm_squared(data.mean_grad).double()
     return data.shared["g_sq"]
+
+
+def mean_gradient_sq_norms(data: StepData) -> Tensor:
+    """[||g^(1)||^2, ..., ||g^(K)||^2] of the mean gradient per tracked parameter, float64,
+    computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`)."""
+    if "g_sq_per_parameter" not in data.shared:
+        squares = [torch.linalg.vector_norm(g).double().square() for g in data.mean_grad]
+        data.shared["g_sq_per_parameter"] = torch.stack(squares)
+    return data.shared["g_sq_per_parameter"]
+
+
+def per_parameter_rows(tensors: list[Tensor]) -> Tensor:
+    """[K, N] in float64 from K per-parameter statistics of shape [N] (one row each)."""
+    return torch.stack([t.double() for t in tensors])
+
+
+def per_parameter_sums(flat: Tensor, data: StepData) -> Tensor:
+    """[sum_{d in k} flat_d per tracked parameter k] of a tensor flattened over all tracked
+    parameters in their order (as :func:`flat_sum_sq`)."""
+    sizes = [p.numel() for p in data.params]
+    return torch.stack([chunk.sum() for chunk in flat.split(sizes)])
+
+
+def check_per_layer(quantity: type, per_layer) -> None:
+    """Raise unless ``per_layer`` is a bool that ``quantity`` (a :class:`Quantity` class)
+    can take: True needs a per-layer reading (``quantity.per_layer_output``)."""
+    name = quantity.__name__
+    if not isinstance(per_layer, bool):
+        raise TypeError(
+            f"{name}(per_layer={per_layer!r}): per_layer must be True (also keep the value of "
+            "each tracked parameter) or False."
+        )
+    if per_layer and quantity.per_layer_output is None:
+        layered = sorted(
+            c.__name__
+            for c in _subclasses(Quantity)
+            if c.per_layer_output is not None and not c.__name__.startswith("_")
+        )
+        why = (
+            "its value is per parameter already"
+            if quantity.output.is_per_parameter
+            else "it is not a sum over the parameters nor a ratio of such sums"
+        )
+        raise ValueError(
+            f"{name}(per_layer=True): {name} has no per-layer reading ({why}); drop "
+            f"per_layer=True. The quantities that take it: {', '.join(layered)}."
+        )
+
+
+def _subclasses(cls: type) -> list[type]:
+    """Every subclass of ``cls``, recursively."""
+    found = []
+    for sub in cls.__subclasses__():
+        found.extend([sub, *_subclasses(sub)])
+    return found
 
 
 def flat_sum_sq(data: StepData) -> Tensor:

@@ -47,8 +47,15 @@ from avionics.curvature.step.hessian_diagonal import (
 from avionics.curvature.step.loss_root import MAX_OUTPUT_SIZE
 from avionics.persample import Request
 from avionics.quantities.arguments import checked_int, checked_seed
-from avionics.quantities.base import Quantity, StepData, flat_sum_sq
-from avionics.quantities.outputs import per_parameter
+from avionics.quantities.base import (
+    MicroBatch,
+    Quantity,
+    StepData,
+    flat_sum_sq,
+    per_parameter_rows,
+    per_parameter_sums,
+)
+from avionics.quantities.outputs import PER_LAYER, per_parameter
 from avionics.schedules import Schedule
 
 PER_SAMPLE_KEYS = ("individual_losses",)
@@ -142,6 +149,8 @@ class _Curvature(Quantity):
             [0, 2**32).
         max_probes: the most Hessian-vector products the exact Hessian diagonal may take,
             >= 1.
+        per_layer: TICDiag and TICTrace: also keep the value of each tracked parameter k
+            alone, over its coordinates d in k (HessTrace is per parameter already).
     """
 
     info_keys = PER_SAMPLE_KEYS
@@ -155,8 +164,9 @@ class _Curvature(Quantity):
         mc_samples: int = 1,
         seed: int = 0,
         max_probes: int = MAX_PROBES,
+        per_layer: bool = False,
     ):
-        super().__init__(schedule)
+        super().__init__(schedule, per_layer)
         if curvature not in (AUTO, *VARIANTS):
             raise ValueError(
                 f"{self.name}(curvature={curvature!r}): choose one of "
@@ -269,16 +279,24 @@ class _Curvature(Quantity):
         generator = None
         if variant == "diag_ggn_mc":
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + data.step)
-        return ggn_diagonal(
-            model,
-            data.captured.engine,
-            data.captured.calls,
-            losses,
-            data.params,
-            mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
-            generator=generator,
-            traces=traces,
-        )
+        # one batch, or the micro-batches of an accumulated step: the diagonal of the mean
+        # over all their samples is sum_i (N_i / N) diag G_i (1 each for a sum)
+        parts = data.micro_batches or [MicroBatch(data.captured.calls, losses, 1.0)]
+        total = None
+        for part in parts:
+            h = ggn_diagonal(
+                model,
+                data.captured.engine,
+                part.calls,
+                part.individual_losses,
+                data.params,
+                mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
+                generator=generator,
+                traces=traces,
+            )
+            terms = [part.share * d for d in h] if data.micro_batches else h
+            total = terms if total is None else [a + b for a, b in zip(total, terms, strict=True)]
+        return total
 
     def _probed_diagonal(self, data: StepData) -> list[Tensor]:
         """The exact Hessian diagonal of the mean loss by probes, over the parameters whose
@@ -312,9 +330,12 @@ class HessTrace(_Curvature):
 class TICDiag(_Curvature):
     """Takeuchi information criterion with the diagonal approximation:
     sum_d (mean_n g_{n,d}^2) / (h_d + eps), g_n the gradients of the per-sample losses and h
-    the curvature diagonal of their mean (also for a sum-reduced loss)."""
+    the curvature diagonal of their mean (also for a sum-reduced loss). With ``per_layer``,
+    the list of its terms per parameter k, sum_{d in k} (mean_n g_{n,d}^2) / (h_d + eps), whose
+    sum is the global value."""
 
     needs_diagonal = True
+    per_layer_output = per_parameter("sum")
 
     def sums(self, data: StepData):
         return {"sum_sq": flat_sum_sq(data)}
@@ -322,18 +343,33 @@ class TICDiag(_Curvature):
     def compute(self, data: StepData):
         h = torch.cat([d.reshape(-1) for d in self.diagonal(data)])
         s = data.totals[self.name]["sum_sq"]
-        total = torch.dot(h.add_(self.eps).reciprocal_(), s).double()
-        return {data.step: total / data.batch_size}
+        inverse = h.add_(self.eps).reciprocal_()
+        value = torch.dot(inverse, s).double() / data.batch_size
+        if self.per_layer:
+            terms = per_parameter_sums(inverse.mul_(s), data).double() / data.batch_size
+            value = self.layered(value, terms)
+        return {data.step: value}
 
 
 class TICTrace(_Curvature):
     """Takeuchi information criterion with the trace approximation:
     (sum_d mean_n g_{n,d}^2) / (sum_d h_d + eps), g_n the gradients of the per-sample losses
-    and h the curvature diagonal of their mean (also for a sum-reduced loss)."""
+    and h the curvature diagonal of their mean (also for a sum-reduced loss). With
+    ``per_layer``, also the same ratio of each parameter k's sums over its coordinates,
+    (sum_{d in k} mean_n g_{n,d}^2) / (sum_{d in k} h_d + eps)."""
+
+    per_layer_output = PER_LAYER
 
     def sums(self, data: StepData):
-        return {"sum_sq": sum(q.sum().double() for q in data.statistics.sum_sq)}
+        terms = per_parameter_rows([q.sum() for q in data.statistics.sum_sq])
+        if self.per_layer:
+            return {"sum_sq": terms.sum(), "per_parameter": terms}
+        return {"sum_sq": terms.sum()}
 
     def compute(self, data: StepData):
-        m2 = data.totals[self.name]["sum_sq"] / data.batch_size
-        return {data.step: m2 / (self.diagonal_sums(data).sum().double() + self.eps)}
+        totals, sums = data.totals[self.name], self.diagonal_sums(data).double()
+        value = totals["sum_sq"] / data.batch_size / (sums.sum() + self.eps)
+        if self.per_layer:
+            per_parameter = totals["per_parameter"] / data.batch_size / (sums + self.eps)
+            value = self.layered(value, per_parameter)
+        return {data.step: value}

@@ -152,7 +152,9 @@ def test_several_quantities_give_the_same_numbers_as_each_alone():
     together = run(names)
     for name in names:
         alone = run([name])
-        for step in alone:
+        steps = [step for step in together if name in together[step]]
+        assert [step for step in alone if name in alone[step]] == steps
+        for step in steps:
             assert alone[step][name] == pytest.approx(together[step][name], rel=1e-12)
 
 

@@ -52,13 +52,14 @@ def test_every_sink_gets_each_step_once_as_plain_python(tmp_path):
     assert sink.closed
     assert sink.metadata["outputs"]["GradNorm"] == {"kind": "per_parameter", "reduce": "rss"}
     assert sink.metadata["optimizer"]["name"] == "SGD"
-    # one record per step and target step: step t's own values, then UpdateSize of t - 1
+    # one record per step and target step: step t's own values (with the optimiser's
+    # learning rate), then UpdateSize of t - 1
     assert [(s, sorted(v)) for s, v in sink.records] == [
-        (0, ["GradNorm", "Loss"]),
+        (0, ["GradNorm", "Loss", "learning_rate"]),
         (0, ["UpdateSize"]),
-        (1, ["GradNorm", "Loss"]),
+        (1, ["GradNorm", "Loss", "learning_rate"]),
         (1, ["UpdateSize"]),
-        (2, ["GradNorm", "Loss"]),
+        (2, ["GradNorm", "Loss", "learning_rate"]),
     ]
     step0 = sink.records[0][1]
     assert isinstance(step0["Loss"], float) and isinstance(step0["GradNorm"], list)

@@ -39,6 +39,9 @@ from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import ColumnSums
 from avionics.persample.step import summed_statistics
 
+# the 16-bit floats of a forward under autocast
+_HALF = (torch.float16, torch.bfloat16)
+
 
 def ggn_diagonal(
     model: nn.Module,
@@ -92,7 +95,8 @@ def ggn_diagonal(
             )
             for i, g in zip(inner, found, strict=True):
                 grads[i] = g
-        sums.add(grads)
+        # (a forward under autocast backpropagates 16-bit columns: summed in float32)
+        sums.add([g.float() if g is not None and g.dtype in _HALF else g for g in grads])
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
 
 
