@@ -48,23 +48,6 @@ class TensorBoardWriter:
             {name: Output.from_description(d) for name, d in metadata.get("outputs", {}).items()}
         )
 
-    def _histogram(self, tag: str, counts, edges, step: int) -> None:
-        counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
-        if counts.sum() <= 0:
-            return
-        centers = (edges[1:] + edges[:-1]) / 2
-        self._writer.add_histogram_raw(
-            tag,
-            min=float(edges[0]),
-            max=float(edges[-1]),
-            num=float(counts.sum()),
-            sum=float((centers * counts).sum()),
-            sum_squares=float((centers**2 * counts).sum()),
-            bucket_limits=edges[1:].tolist(),
-            bucket_counts=counts.tolist(),
-            global_step=step,
-        )
-
     def write(self, step: int, values: dict) -> None:
         """Add the scalars and histograms among ``values`` at ``step``, and flush."""
         for name, value in values.items():
@@ -72,16 +55,15 @@ class TensorBoardWriter:
             scalar = output.scalar(value)
             if scalar is not None:
                 self._writer.add_scalar(name, scalar, global_step=step)
-                if output.is_per_parameter:
-                    for i, v in enumerate(value):
-                        self._writer.add_scalar(f"{name}/param_{i}", float(v), global_step=step)
+                for i, v in enumerate(output.parameter_values(value) or []):
+                    self._writer.add_scalar(f"{name}/param_{i}", v, global_step=step)
             elif output.kind == "histogram_1d" and isinstance(value, dict):
-                self._histogram(name, value["hist"], value["edges"], step)
+                add_histogram(self._writer, name, value["hist"], value["edges"], step)
             elif output.kind == "histogram_2d" and isinstance(value, dict):
                 hist = np.asarray(value["hist"], dtype=np.float64)
                 xedges, yedges = value["edges"]
-                self._histogram(f"{name}/gradient", hist.sum(axis=1), xedges, step)
-                self._histogram(f"{name}/parameter", hist.sum(axis=0), yedges, step)
+                add_histogram(self._writer, f"{name}/gradient", hist.sum(axis=1), xedges, step)
+                add_histogram(self._writer, f"{name}/parameter", hist.sum(axis=0), yedges, step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -102,3 +84,24 @@ def to_tensorboard(run: Run, logdir: str | os.PathLike, progress: bool = False) 
     finally:
         writer.close()
     return str(logdir)
+
+
+def add_histogram(writer, tag: str, counts, edges, step: int) -> None:
+    """Counts over the bins ``edges`` as a TensorBoard histogram (``SummaryWriter.
+    add_histogram_raw``: bucket limits are the right edges; sum and sum of squares from the
+    bin centres)."""
+    counts, edges = np.asarray(counts, dtype=np.float64), np.asarray(edges, dtype=np.float64)
+    if counts.sum() <= 0:
+        return
+    centers = (edges[1:] + edges[:-1]) / 2
+    writer.add_histogram_raw(
+        tag,
+        min=float(edges[0]),
+        max=float(edges[-1]),
+        num=float(counts.sum()),
+        sum=float((centers * counts).sum()),
+        sum_squares=float((centers**2 * counts).sum()),
+        bucket_limits=edges[1:].tolist(),
+        bucket_counts=counts.tolist(),
+        global_step=step,
+    )

@@ -1,0 +1,83 @@
+"""Hugging Face ``transformers.pytorch_utils.Conv1D``: y = x W + b, W of shape [in, out].
+
+It is an ``nn.Linear`` with a transposed weight (GPT-2's attention and MLP projections). Per
+sample n, positions t of all calls of one forward concatenated,
+
+    grad W = sum_t x_t delta_t^T   ([in, out]),      grad b = sum_t delta_t,
+
+which is the bilinear form G_n = sum_t a_t b_t^T of :mod:`bilinear` with the roles of the two
+factors exchanged: a = x (the inputs) on the weight's first axis, b = delta (the output
+gradients) on its second. The rule reuses :class:`~avionics.persample.rules.linear.LinearRule`
+on the exchanged factors; only the bias, sum_t delta_t, reads the output gradients itself.
+
+transformers is never imported here: a module is matched by the class that
+``transformers.pytorch_utils`` defines once the user's code has imported it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor, nn
+
+from avionics.persample.rules.linear import LinearColumnSums, LinearRule
+
+# where transformers defines the layer
+HF_MODULE, HF_CLASS = "transformers.pytorch_utils", "Conv1D"
+
+
+def is_hf_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers.pytorch_utils.Conv1D`` running Conv1D's own
+    forward (a subclass with its own forward is left to the generic rule)."""
+    defining = sys.modules.get(HF_MODULE)
+    cls = getattr(defining, HF_CLASS, None)
+    return cls is not None and isinstance(module, cls) and type(module).forward is cls.forward
+
+
+class HFConv1DRule(LinearRule):
+    """Per-sample gradients of a Conv1D's ``weight`` [in, out] and ``bias`` [out]."""
+
+    def __init__(self, module: nn.Module, calls, names, n, output_gradient_factor):
+        super().__init__(module, calls, names, n, output_gradient_factor)
+        # LinearRule forms G_n = sum_t delta_t x_t^T of shape [out, in]; exchanging the
+        # factors gives sum_t x_t delta_t^T, the weight's [in, out]. The output-gradient
+        # factor stays where LinearRule put it: in one of the two, or in delta_scale.
+        self.x, self.delta = self.delta, self.x
+
+    def _bias(self) -> Tensor:
+        """sum_t delta_t: the output gradients are ``self.x`` after the exchange."""
+        bias = self.x.sum(2).flatten(1)
+        return bias if self.delta_scale == 1 else bias * self.delta_scale
+
+    @classmethod
+    def column_sums(cls, module, calls, names, n, traces):
+        """As :meth:`LinearRule.column_sums` (one call on an input [N, in]: only
+        sum_j delta_j^2 is accumulated over the columns), with the weight's sum transposed;
+        else the default, which builds this rule per column."""
+        if len(calls) != 1 or not _separable(calls[0], module, n):
+            return super(LinearRule, cls).column_sums(module, calls, names, n, traces)
+        return TransposedColumnSums(calls[0], names, n, traces)
+
+
+def _separable(call, module: nn.Module, n: int) -> bool:
+    """One call whose input is [N, in] (no shared axes)."""
+    x = call.args[0] if call.args else None
+    return (
+        isinstance(x, Tensor)
+        and len(call.nodes) == 1
+        and x.dim() > call.batch_axis
+        and x.shape[call.batch_axis] == n
+        and x.numel() == n * module.weight.shape[0]
+    )
+
+
+class TransposedColumnSums(LinearColumnSums):
+    """:class:`LinearColumnSums` for a weight stored as [in, out]."""
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        out = super().result(scale)
+        return [
+            torch.t(s) if name == "weight" and not self.traces and s is not None else s
+            for name, s in zip(self.names, out, strict=True)
+        ]
