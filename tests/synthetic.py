@@ -28,8 +28,9 @@ PER_STEP = (
     "GradHist1d",
     "GradHist2d",
     "Parameters",
+    "ActivationHealth",
 )
-LATE = ("Alpha", "UpdateSize")  # two-step quantities: the value of t arrives at t+1
+LATE = ("Alpha", "UpdateSize", "UpdateRatio")  # two-step quantities: the value of t arrives at t+1
 ALL = PER_STEP + LATE
 NUM_PARAMS = 3
 
@@ -74,6 +75,9 @@ def step_values(step: int, rng, names=ALL, lr: float = 0.1) -> dict:
         "Parameters": [rng.standard_normal((2, 2)).tolist() for _ in range(NUM_PARAMS)],
         "Alpha": float(-0.1 + 0.3 * rng.standard_normal()),
         "UpdateSize": (lr * (0.5 + 0.1 * rng.random(NUM_PARAMS))).tolist(),
+        # healthy values that draw no random numbers (the others' draws stay as they were)
+        "ActivationHealth": {"1": {"dead": 0.0, "mean": 0.3, "rms": 0.6}},
+        "UpdateRatio": {"global": 1e-3, "per_parameter": [1e-3] * NUM_PARAMS},
     }
     return {k: v for k, v in values.items() if k in names}
 

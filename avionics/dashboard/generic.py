@@ -1,7 +1,8 @@
 """Panels for the quantities that have no panel of their own (your own instruments), drawn
-from the output each declares (:mod:`avionics.quantities.outputs`): a scalar or per-parameter
-value as its global value vs step with its EMA, a 1d histogram as bars of the latest step, a
-2d histogram as the joint histogram with its marginals."""
+from the output each declares (:mod:`avionics.quantities.outputs`): a scalar, per-parameter or
+per-layer value as its global value vs step with its EMA (the secondary screen also draws a
+per-parameter one as a heat-map, :mod:`avionics.dashboard.heatmap`), a 1d histogram as bars
+of the latest step, a 2d histogram as the joint histogram with its marginals."""
 
 from __future__ import annotations
 
@@ -36,7 +37,10 @@ def generic_panel(fig, spec, run, name: str) -> Axes:
         style_panel(ax, f"{name} (step {step})", "value", "count")
         return ax
     steps, values = series(run, name)
-    ylabel = name if not output.is_per_parameter else f"{name} ({output.reduce} over parameters)"
+    ylabel = {
+        "per_parameter": f"{name} ({output.reduce} over parameters)",
+        "per_layer": f"{name} (all parameters)",
+    }.get(output.kind, name)
     if len(steps) == 0:
         return empty_panel(ax, name, "step", ylabel, name)
     style_panel(ax, name, "step", ylabel)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from avionics.diagnosis.anomalies import non_finite_values, spikes
 from avionics.diagnosis.finding import Finding
+from avionics.diagnosis.layers import dead_units, saturated_units, update_ratio_out_of_range
 from avionics.diagnosis.noise import cabs_batch_size, early_stopping, gradient_noise
 from avionics.diagnosis.step_size import (
     edge_of_stability,
@@ -25,15 +26,20 @@ CHECKS = (
     cabs_batch_size,
     early_stopping,
     spikes,
+    update_ratio_out_of_range,
+    dead_units,
+    saturated_units,
 )
 # What each group of checks reads; a group is "not checked" when none of them was recorded.
 NEEDS = {
     "step size (alpha)": ("Alpha",),
-    "edge of stability": ("HessMaxEV",),
+    "edge of stability": ("HessMaxEV", "PreconditionedSharpness"),
     "gradient noise and batch size": ("NormTest", "GradientNoiseScale"),
     "CABS batch size": ("CABS",),
     "early stopping": ("EarlyStopping",),
     "loss and gradient-norm spikes": ("Loss", "GradNorm"),
+    "update-to-weight ratio": ("UpdateRatio",),
+    "dead and saturated activations": ("ActivationHealth",),
 }
 
 

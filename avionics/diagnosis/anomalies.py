@@ -12,6 +12,8 @@ SPIKE_Z = 6.0
 SPIKE_WINDOW = 20
 SPIKE_MIN_HISTORY = 8
 SPIKY = (("Loss", "loss"), ("GradNorm", "gradient norm"))
+OUTLIERS = "LossOutliers"
+OUTLIER_STEPS_LISTED = 5  # spike steps whose per-sample outliers the evidence names
 
 
 def non_finite_values(run) -> Finding | None:
@@ -51,9 +53,53 @@ def _spike_episodes(steps, values, z) -> list[tuple[int, int]]:
     return episodes
 
 
+def _outlier_evidence(run, spike_steps: list[int]) -> str:
+    """The samples that LossOutliers recorded at the loss's spike steps (the peak of each of
+    the first few spikes), by index in the batch, or that no sample stood out there."""
+    parts = []
+    for step in spike_steps[:OUTLIER_STEPS_LISTED]:
+        found = run.steps.get(step, {}).get(OUTLIERS)
+        if not isinstance(found, dict) or "indices" not in found:
+            continue
+        rule = f"above {found['median'] + found['k'] * found['scale']:.4g}"
+        if not found["indices"]:
+            parts.append(f"step {step}: none {rule} (the whole batch's loss rose)")
+            continue
+        listed = ", ".join(
+            f"{i} ({loss:.4g})" for i, loss in zip(found["indices"], found["losses"], strict=True)
+        )
+        more = found["count"] - len(found["indices"])
+        parts.append(
+            f"step {step}: samples {listed}{f' and {more} more' if more > 0 else ''} {rule} "
+            f"(batch median {found['median']:.4g})"
+        )
+    if not parts:
+        return ""
+    return (
+        " Per-sample loss outliers, by index in the batch (loss), above median + k robust "
+        "standard deviations of the batch's losses: " + "; ".join(parts) + "."
+    )
+
+
+def _spike_advice(name: str, samples: str) -> str:
+    """What to try about a spike of ``name``, whose evidence names ``samples`` (or none)."""
+    if samples:
+        where = "the batches of those steps, first the samples named"
+    elif name == "Loss":
+        where = "the batches of those steps (record LossOutliers to name their outliers)"
+    else:
+        where = "the batches of those steps"
+    return (
+        f"look at {where} (outliers, bad labels); clip the gradient norm near its usual size, "
+        "lower the learning rate or add warm-up."
+    )
+
+
 def spikes(run) -> list[Finding]:
     """Upward spikes of the loss and of the gradient norm: a value more than 6 robust
-    standard deviations above the median of the 20 tracked values before it."""
+    standard deviations above the median of the 20 tracked values before it. A loss spike's
+    evidence names the samples of the spike steps that LossOutliers recorded (those whose
+    loss is far above the batch's median), so that the bad data can be found."""
     findings = []
     for name, label in SPIKY:
         steps, values = series(run, name)
@@ -67,6 +113,9 @@ def spikes(run) -> list[Finding]:
         top = max((peak for _, peak in episodes), key=lambda i: z[i])
         history = values[max(0, top - SPIKE_WINDOW) : top]
         listed = ", ".join(map(str, began[:10])) + (", ..." if len(began) > 10 else "")
+        samples = ""
+        if name == "Loss":
+            samples = _outlier_evidence(run, [int(steps[peak]) for _, peak in episodes])
         findings.append(
             Finding(
                 check=f"{name.lower()}_spikes",
@@ -76,9 +125,8 @@ def spikes(run) -> list[Finding]:
                 evidence=f"spikes began at steps {listed}; the largest, at step {steps[top]}, "
                 f"is {values[top]:.4g} against a median of {np.median(history):.4g} over the "
                 f"{len(history)} tracked steps before it (robust z-score {z[top]:.3g} > "
-                f"{SPIKE_Z:g}).",
-                advice="look at the batches of those steps (outliers, bad labels); clip the "
-                "gradient norm near its usual size, lower the learning rate or add warm-up.",
+                f"{SPIKE_Z:g})." + samples,
+                advice=_spike_advice(name, samples),
                 step=began[0],
             )
         )

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 # The direction named "grad" is always the mean gradient g = mean_n g_n; rules may compute
 # g_n . g from inner products of per-sample gradients instead of from the tensor.
@@ -45,6 +46,12 @@ class OuterProducts:
 # products (only the histograms visit, and they accept both).
 Visitor = Callable[[int, "Tensor | OuterProducts"], None]
 
+# output_visitor(module, output, batch_axis) -> summary or None: called at forward time, under
+# torch.no_grad, with every module call of the captured forward, its output (a tensor or a
+# tree of them) and the axis of the batch in it. The summary (small tensors) is kept with the
+# forward's root call (ModuleCall.summaries); the output itself is not.
+OutputVisitor = Callable[[nn.Module, Any, int], Any]
+
 
 @dataclass(frozen=True)
 class Request:
@@ -55,6 +62,8 @@ class Request:
     * ``directions``: names of directions v (one tensor per parameter, supplied at compute
       time); for each, the projections g_n . v per parameter, shape [N].
     * ``visitors``: called with chunks of materialised per-sample gradients (histograms).
+    * ``module_outputs``: output visitors, called with every module call's output in the
+      captured forward (activation statistics: no per-sample gradient is needed for them).
     * ``calls``: only the captured layer calls (for quantities that backpropagate through them
       themselves, as the GGN diagonal does); implied by every statistic.
     """
@@ -64,14 +73,16 @@ class Request:
     directions: frozenset[str] = frozenset()
     visitors: tuple[Visitor, ...] = ()
     calls: bool = False
+    module_outputs: tuple[OutputVisitor, ...] = ()
 
     def __or__(self, other: Request) -> Request:
         return Request(
             sq_norms=self.sq_norms or other.sq_norms,
             sum_sq=self.sum_sq or other.sum_sq,
             directions=self.directions | other.directions,
-            visitors=self.visitors + tuple(v for v in other.visitors if v not in self.visitors),
+            visitors=_merged(self.visitors, other.visitors),
             calls=self.calls or other.calls,
+            module_outputs=_merged(self.module_outputs, other.module_outputs),
         )
 
     @property
@@ -81,7 +92,12 @@ class Request:
 
     def __bool__(self) -> bool:
         """Whether the step's layer calls must be captured."""
-        return self.asks_statistics or self.calls
+        return self.asks_statistics or self.calls or bool(self.module_outputs)
+
+
+def _merged(ours: tuple, theirs: tuple) -> tuple:
+    """``ours`` and those of ``theirs`` not among them, in order."""
+    return ours + tuple(v for v in theirs if v not in ours)
 
 
 @dataclass

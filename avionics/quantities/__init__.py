@@ -2,6 +2,7 @@
 protocol to write your own (:mod:`avionics.quantities.base`)."""
 
 from avionics.persample import Request, Statistics
+from avionics.quantities.activation_health import ActivationHealth
 from avionics.quantities.alpha import Alpha
 from avionics.quantities.base import Quantity, StepData, TwoStepQuantity
 from avionics.quantities.clock import Time
@@ -11,7 +12,7 @@ from avionics.quantities.grad_norm import GradNorm
 from avionics.quantities.gradient_tests import InnerTest, NormTest, OrthoTest
 from avionics.quantities.hess_max_ev import HessMaxEV
 from avionics.quantities.histograms import GradAbsMax, GradHist1d, GradHist2d, ParamAbsMax
-from avionics.quantities.loss import Loss
+from avionics.quantities.loss import Loss, LossOutliers
 from avionics.quantities.noise_scale import (
     GradCovTrace,
     GradientNoiseScale,
@@ -27,10 +28,13 @@ from avionics.quantities.outputs import (
     per_parameter,
 )
 from avionics.quantities.parameters import Parameters
+from avionics.quantities.preconditioned_sharpness import PreconditionedSharpness
+from avionics.quantities.update_ratio import UpdateRatio
 from avionics.quantities.update_size import UpdateSize
 from avionics.quantities.variance import CABS, EarlyStopping, MeanGSNR
 
 BUILTIN = (
+    ActivationHealth,
     Alpha,
     CABS,
     Distance,
@@ -44,15 +48,18 @@ BUILTIN = (
     HessTrace,
     InnerTest,
     Loss,
+    LossOutliers,
     MeanGSNR,
     NormTest,
     OrthoTest,
     Parameters,
+    PreconditionedSharpness,
     SimpleNoiseScale,
     TICDiag,
     TICTrace,
     Time,
     TrueGradSqNorm,
+    UpdateRatio,
     UpdateSize,
 )
 # How the values of the built-in quantities read, for logs whose metadata does not say
@@ -60,6 +67,7 @@ BUILTIN = (
 BUILTIN_OUTPUTS: dict[str, Output] = {cls.__name__: cls.output for cls in BUILTIN}
 
 __all__ = [
+    "ActivationHealth",
     "Alpha",
     "BUILTIN",
     "BUILTIN_OUTPUTS",
@@ -78,12 +86,14 @@ __all__ = [
     "HessTrace",
     "InnerTest",
     "Loss",
+    "LossOutliers",
     "MeanGSNR",
     "NormTest",
     "OrthoTest",
     "Output",
     "ParamAbsMax",
     "Parameters",
+    "PreconditionedSharpness",
     "Quantity",
     "Request",
     "SCALAR",
@@ -96,6 +106,7 @@ __all__ = [
     "Time",
     "TrueGradSqNorm",
     "TwoStepQuantity",
+    "UpdateRatio",
     "UpdateSize",
     "per_parameter",
 ]

@@ -14,6 +14,11 @@ the same for a mean- or a sum-reduced loss.
 The [N] statistics and ||g||^2 are combined in float64: in float32, ||g||^4 and (g_n . g)^2
 overflow once ||g|| exceeds a few times 1e9. A zero mean gradient leaves the tests undefined: they
 store nan, with a warning (once per quantity).
+
+With ``per_layer=True`` each test is also read per tracked parameter k: the same ratio of that
+parameter's own sums, e.g. NormTest_k = sqrt( sum_n ||g_n^(k) - g^(k)||^2 / ((N-1) N
+||g^(k)||^2) ), the test of a model whose only parameter is k (stored as
+``{"global": ..., "per_parameter": [...]}``, see :data:`~avionics.quantities.outputs.PER_LAYER`).
 """
 
 from __future__ import annotations
@@ -23,29 +28,50 @@ import warnings
 import torch
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData, mean_gradient_sq_norm
+from avionics.quantities.base import (
+    Quantity,
+    StepData,
+    mean_gradient_sq_norm,
+    mean_gradient_sq_norms,
+    per_parameter_rows,
+)
+from avionics.quantities.outputs import PER_LAYER
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
 
 
 class _GradientTest(Quantity):
     """Shared: a sum over samples of the statistics the request names, combined with ||g||^2
-    and N. Under data parallelism the sum is added over the processes (g and N are global)."""
+    and N; with ``per_layer``, also per tracked parameter, from that parameter's ||g_n^(k)||^2,
+    g_n^(k) . g^(k) and ||g^(k)||^2. Under data parallelism the sums are added over the
+    processes (g and N are global).
+
+    Args:
+        schedule: the steps it is computed at (default: every step).
+        per_layer: also keep the test of each tracked parameter alone (see the module
+            docstring).
+    """
 
     info_keys = PER_SAMPLE_KEYS
+    per_layer_output = PER_LAYER
 
-    def __init__(self, schedule=None):
-        super().__init__(schedule)
+    def __init__(self, schedule=None, per_layer: bool = False):
+        super().__init__(schedule, per_layer)
         self._warned_zero_gradient = False
 
     def sums(self, data: StepData):
         stats = data.statistics
-        # [N] each: ||g_n||^2 and g_n . g, where the request asked for them
-        sq_norms = sum(stats.sq_norms).double() if stats.sq_norms is not None else None
+        # [K, N] each: ||g_n^(k)||^2 and g_n^(k) . g^(k), where the request asked for them
+        sq_norms = per_parameter_rows(stats.sq_norms) if stats.sq_norms is not None else None
         grad = stats.projections.get("grad")
-        projections = sum(grad).double() if grad is not None else None
-        g_sq = mean_gradient_sq_norm(data)
-        return {"sum": self.summand(sq_norms, projections, g_sq).sum()}
+        projections = per_parameter_rows(grad) if grad is not None else None
+        # the global summand is of g_n . g = sum_k g_n^(k) . g^(k), likewise ||g_n||^2
+        whole = [None if rows is None else rows.sum(0) for rows in (sq_norms, projections)]
+        sums = {"sum": self.summand(*whole, mean_gradient_sq_norm(data)).sum()}
+        if self.per_layer:
+            g_sq = mean_gradient_sq_norms(data)[:, None]
+            sums["per_parameter"] = self.summand(sq_norms, projections, g_sq).sum(1)
+        return sums
 
     def compute(self, data: StepData):
         n = data.batch_size
@@ -53,7 +79,10 @@ class _GradientTest(Quantity):
             warnings.warn(
                 f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
             )
-            return {data.step: torch.tensor(float("nan"))}
+            nan = torch.tensor(float("nan"), dtype=torch.float64)
+            if self.per_layer:
+                return {data.step: self.layered(nan, nan.repeat(len(data.params)))}
+            return {data.step: nan}
         g_sq = mean_gradient_sq_norm(data)
         # (a host transfer per step only until the warning is given)
         if not self._warned_zero_gradient and bool(g_sq == 0):
@@ -63,8 +92,12 @@ class _GradientTest(Quantity):
                 "undefined (it divides by ||g||^2); stored nan. Warned once.",
                 stacklevel=2,
             )
-        total = data.totals[self.name]["sum"]
-        return {data.step: self.statistic(total, g_sq, n)}
+        totals = data.totals[self.name]
+        value = self.statistic(totals["sum"], g_sq, n)
+        if self.per_layer:
+            g_sq_k = mean_gradient_sq_norms(data)
+            value = self.layered(value, self.statistic(totals["per_parameter"], g_sq_k, n))
+        return {data.step: value}
 
 
 class NormTest(_GradientTest):

@@ -30,7 +30,95 @@ from avionics.schedules import Schedule
 MAX_BASIS = 20
 
 
-class HessMaxEV(Quantity):
+class WarmStartedTopEigenvalue(Quantity):
+    """The largest algebraic eigenvalue of a symmetric operator of the step
+    (:meth:`operator`, products through the gradient graph kept by ``create_graph=True``), by
+    Lanczos warm-started from the previous tracked step's eigenvector: the machinery HessMaxEV
+    and PreconditionedSharpness share (see :class:`HessMaxEV` for the stopping rule, the warm
+    start, non-finite products and the seeded first start vector).
+
+    Args:
+        schedule: the steps to track (default every step).
+        tol: the relative accuracy of the eigenvalue, in [0, 1).
+        max_products: the most operator-vector products per step, >= 1.
+        seed: the seed of the first step's start vector, in [0, 2**32).
+    """
+
+    create_graph = True
+
+    def __init__(
+        self,
+        schedule: Schedule | None = None,
+        tol: float = 1e-3,
+        max_products: int = 100,
+        seed: int = 0,
+    ):
+        super().__init__(schedule)
+        self.tol = checked_real(
+            self.name, "tol", tol, "the relative accuracy of the eigenvalue", at_least=0, below=1
+        )
+        self.max_products = checked_int(
+            self.name, "max_products", max_products, 1, "Hessian-vector products per step"
+        )
+        self.seed = checked_seed(self.name, seed)
+        self._lanczos = LanczosState()  # basis storage and the previous eigenpair
+        self._warned = False
+        self.num_products: dict[int, int] = {}
+
+    def operator(self, data: StepData) -> BlockOperator:
+        """The step's symmetric operator, whose largest eigenvalue is stored."""
+        raise NotImplementedError(f"{self.name} must implement operator(data).")
+
+    def compute(self, data: StepData):
+        result = top_eigenpairs(
+            self.operator(data),
+            tol=self.tol,
+            max_products=self.max_products,
+            max_basis=MAX_BASIS,
+            generator=torch.Generator().manual_seed(self.seed),
+            criterion="eigenvalue",
+            state=self._lanczos,
+            progress=False,  # (inside a training step: no bar)
+        )
+        self.num_products[data.step] = result.num_products
+        # a non-finite product leaves no eigenpair in the state (the next step starts afresh)
+        value = self._lanczos.eigenvalue  # float64, unlike result.values
+        if value is None:
+            return {data.step: math.nan}
+        if not result.converged and not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"{self.name}: Lanczos did not reach tol={self.tol} within max_products="
+                f"{self.max_products} at step {data.step}; the current estimate is stored. "
+                "Raise max_products or tol (warned once).",
+                stacklevel=2,
+            )
+        return {data.step: value}
+
+    @property
+    def eigenvector(self) -> Tensor | None:
+        """The last step's (unit) eigenvector estimate, flat [D] (a view of the storage)."""
+        return self._lanczos.eigenvector
+
+    def state_dict(self) -> dict:
+        """The warm start (the last eigenpair) and whether the warning was given."""
+        if self._lanczos.eigenvalue is None:
+            return {"warned": self._warned}
+        return {
+            "warned": self._warned,
+            "eigenvalue": self._lanczos.eigenvalue,
+            "eigenvector": self._lanczos.eigenvector.clone(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self._warned = bool(state.get("warned", False))
+        if "eigenvector" in state:
+            self._lanczos = LanczosState.from_eigenpair(state["eigenvector"], state["eigenvalue"])
+        else:
+            self._lanczos = LanczosState()
+
+
+class HessMaxEV(WarmStartedTopEigenvalue):
     """The largest algebraic eigenvalue of the Hessian of the loss as the user reduced it
     (``info["loss"]``: the mean or the sum of the per-sample losses): note, the most positive
     eigenvalue, not the eigenvalue of largest magnitude (a Hessian with a large negative
@@ -60,75 +148,10 @@ class HessMaxEV(Quantity):
         seed: the seed of the first step's start vector, in [0, 2**32).
     """
 
-    create_graph = True
-
-    def __init__(
-        self,
-        schedule: Schedule | None = None,
-        tol: float = 1e-3,
-        max_products: int = 100,
-        seed: int = 0,
-    ):
-        super().__init__(schedule)
-        self.tol = checked_real(
-            self.name, "tol", tol, "the relative accuracy of the eigenvalue", at_least=0, below=1
-        )
-        self.max_products = checked_int(
-            self.name, "max_products", max_products, 1, "Hessian-vector products per step"
-        )
-        self.seed = checked_seed(self.name, seed)
-        self._lanczos = LanczosState()  # basis storage and the previous eigenpair
-        self._warned = False
-        self.num_products: dict[int, int] = {}
-
-    def compute(self, data: StepData):
-        grads = _graph_grads(data)
-        hvp = _HessianProduct(grads, _leaves(data), data)
-        result = top_eigenpairs(
-            BlockOperator(hvp, hvp.slices, hvp.dtype, hvp.device),
-            tol=self.tol,
-            max_products=self.max_products,
-            max_basis=MAX_BASIS,
-            generator=torch.Generator().manual_seed(self.seed),
-            criterion="eigenvalue",
-            state=self._lanczos,
-        )
-        self.num_products[data.step] = result.num_products
-        # a non-finite product leaves no eigenpair in the state (the next step starts afresh)
-        value = self._lanczos.eigenvalue  # float64, unlike result.values
-        if value is None:
-            return {data.step: math.nan}
-        if not result.converged and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"HessMaxEV: Lanczos did not reach tol={self.tol} within max_products="
-                f"{self.max_products} at step {data.step}; the current estimate is stored. "
-                "Raise max_products or tol (warned once).",
-                stacklevel=2,
-            )
-        return {data.step: value}
-
-    @property
-    def eigenvector(self) -> Tensor | None:
-        """The last step's (unit) eigenvector estimate, flat [D] (a view of the storage)."""
-        return self._lanczos.eigenvector
-
-    def state_dict(self) -> dict:
-        """The warm start (the last eigenpair) and whether the warning was given."""
-        if self._lanczos.eigenvalue is None:
-            return {"warned": self._warned}
-        return {
-            "warned": self._warned,
-            "eigenvalue": self._lanczos.eigenvalue,
-            "eigenvector": self._lanczos.eigenvector.clone(),
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self._warned = bool(state.get("warned", False))
-        if "eigenvector" in state:
-            self._lanczos = LanczosState.from_eigenpair(state["eigenvector"], state["eigenvalue"])
-        else:
-            self._lanczos = LanczosState()
+    def operator(self, data: StepData) -> BlockOperator:
+        """v -> H v, per tracked parameter, through the step's gradient graph."""
+        hvp = _HessianProduct(_graph_grads(data), _leaves(data), data)
+        return BlockOperator(hvp, hvp.slices, hvp.dtype, hvp.device)
 
 
 def _leaves(data: StepData):

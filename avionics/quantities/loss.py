@@ -1,6 +1,20 @@
-"""Loss: the mini-batch loss L_t as the user backpropagated it."""
+"""Loss: the mini-batch loss L_t as the user backpropagated it; LossOutliers: the samples of the
+batch whose loss is far above the others', to find bad data."""
 
-from avionics.quantities.base import Quantity, StepData
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from avionics.quantities.arguments import checked_int, checked_real
+from avionics.quantities.base import PER_SAMPLE_LOSSES, Quantity, StepData
+from avionics.quantities.outputs import TENSORS
+from avionics.schedules import Schedule
+
+MAD_TO_STD = 1.4826  # the MAD of a normal distribution times this is its standard deviation
+# The robust scale is at least this fraction of |median|, so that a batch of (nearly) equal
+# losses does not make every wiggle an outlier (as the diagnosis' robust z-scores).
+MIN_RELATIVE_SCALE = 0.01
 
 
 class Loss(Quantity):
@@ -9,3 +23,72 @@ class Loss(Quantity):
 
     def compute(self, data: StepData):
         return {data.step: data.loss}
+
+
+class LossOutliers(Quantity):
+    """The samples of the batch whose per-sample loss is far above the batch's median, by
+    index:
+
+        l_n > median + k * s,  s = max(1.4826 * MAD, 0.01 |median|),  MAD = median |l - median|
+
+    over the global batch (under data parallelism the concatenation of the processes' batches
+    in rank order, so an index n is the n-th sample of that concatenation). A non-finite l_n
+    is always an outlier; the median and MAD are those of the finite losses. ``k = 6`` by
+    default, the diagnosis' spike threshold: of normally distributed losses, about one sample in
+    10^9 is an outlier.
+
+    Stored every tracked step: ``{"indices": [...], "losses": [...], "count": c, "median": m,
+    "scale": s, "k": k}``: the (at most ``max_listed``) largest outliers, largest first, and
+    the number c of all outliers (``indices`` empty when there are none). It needs
+    ``info["individual_losses"]`` only: no per-sample gradients, no capture.
+
+    Args:
+        schedule: the steps to track (default every step).
+        k: robust standard deviations above the median that make an outlier, > 0.
+        max_listed: the most outliers stored per step, >= 1.
+    """
+
+    info_keys = (PER_SAMPLE_LOSSES,)
+    output = TENSORS
+
+    def __init__(self, schedule: Schedule | None = None, k: float = 6.0, max_listed: int = 5):
+        super().__init__(schedule)
+        self.k = checked_real(self.name, "k", k, "robust standard deviations", above=0)
+        self.max_listed = checked_int(
+            self.name, "max_listed", max_listed, 1, "outliers stored per step"
+        )
+
+    def sums(self, data: StepData) -> dict[str, Tensor]:
+        """This process's losses at their place in the global batch, zeros elsewhere: added
+        over the processes, the concatenation of the batches."""
+        losses = data.individual_losses.detach().reshape(-1).double()
+        sizes = data.batch_sizes or (len(losses),)
+        offset = sum(sizes[: data.world.rank])
+        placed = losses.new_zeros(sum(sizes))
+        placed[offset : offset + len(losses)] = losses
+        return {"losses": placed}
+
+    def compute(self, data: StepData):
+        found = outliers(data.totals[self.name]["losses"], self.k, self.max_listed)
+        return {data.step: {**found, "k": self.k}}
+
+
+def outliers(losses: Tensor, k: float, max_listed: int) -> dict:
+    """The outliers of ``losses`` [N] by the rule of :class:`LossOutliers`."""
+    finite = torch.isfinite(losses)
+    kept = losses[finite]
+    median = float(kept.quantile(0.5)) if len(kept) else float("nan")
+    mad = float((kept - median).abs().quantile(0.5)) if len(kept) else float("nan")
+    scale = max(MAD_TO_STD * mad, MIN_RELATIVE_SCALE * abs(median))
+    far = ~finite | (losses > median + k * scale)
+    indices = torch.nonzero(far).reshape(-1)
+    # non-finite first (nan sorts as the largest), then by loss, largest first
+    order = torch.argsort(torch.nan_to_num(losses[indices], nan=float("inf")), descending=True)
+    listed = indices[order[:max_listed]]
+    return {
+        "indices": listed.tolist(),
+        "losses": losses[listed].tolist(),
+        "count": len(indices),
+        "median": median,
+        "scale": scale,
+    }

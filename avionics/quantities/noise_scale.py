@@ -36,6 +36,13 @@ undefined: nan, with a warning.
 data-parallel training): the small batches are the P processes' own, B_small = N / P with
 |G_small|^2 the mean over processes of ||g_r||^2 (each process's gradient before the
 all-reduce), B_big = N with ||g||^2; no per-sample statistics, one number per process.
+
+``per_layer=True`` also reads them per tracked parameter k, from that parameter's squared
+norms alone (|G^(k)|^2 from ||g_n^(k)||^2 and ||g^(k)||^2, likewise tr(S^(k))): TrueGradSqNorm
+and GradCovTrace are sums over the parameters, so they store the list of the K terms (their
+sum is the global value); SimpleNoiseScale stores the global ratio and the K ratios
+tr(S^(k)) / |G^(k)|^2, the noise scale of each parameter (see
+:data:`~avionics.quantities.outputs.PER_LAYER`).
 """
 
 from __future__ import annotations
@@ -54,11 +61,16 @@ from avionics.quantities.base import (
     StepData,
     global_norm_squared,
     mean_gradient_sq_norm,
+    mean_gradient_sq_norms,
+    per_parameter_rows,
 )
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
+from avionics.quantities.outputs import PER_LAYER, per_parameter
 
-# the sum the quantities add over the processes: sum_n ||g_n||^2 over all tracked parameters
+# the sum the quantities add over the processes: sum_n ||g_n||^2 over all tracked parameters,
+# and with per_layer its terms of each parameter
 SQ_NORMS = "sq_norms"
+PER_PARAMETER = "per_parameter"
 
 
 def signal_and_noise(
@@ -82,10 +94,12 @@ class _NoiseScaleEstimate(Quantity):
             the small batch (B_small = N / P) instead of single samples: no per-sample
             statistics, and one number per process added over them. Needs equal batches on
             every process; with one process it stores nan, with a warning.
+        per_layer: also keep the estimate of each tracked parameter (see the module
+            docstring).
     """
 
-    def __init__(self, schedule=None, per_process: bool = False):
-        super().__init__(schedule)
+    def __init__(self, schedule=None, per_process: bool = False, per_layer: bool = False):
+        super().__init__(schedule, per_layer)
         if not isinstance(per_process, bool):
             raise TypeError(
                 f"{self.name}(per_process={per_process!r}): per_process must be True or False."
@@ -98,21 +112,26 @@ class _NoiseScaleEstimate(Quantity):
 
     def sums(self, data: StepData) -> dict[str, Tensor]:
         """{"sq_norms": sum_n ||g_n||^2} over this process's samples, or with
-        ``per_process`` its own mean gradient's ||g_r||^2 (float64)."""
+        ``per_process`` its own mean gradient's ||g_r||^2 (float64); with ``per_layer``,
+        also {"per_parameter": those of each tracked parameter}."""
         if not self.per_process:
-            return {SQ_NORMS: sum(s.sum(dtype=torch.float64) for s in data.statistics.sq_norms)}
-        if data.local_grads is None:
-            return {SQ_NORMS: torch.tensor(math.nan, dtype=torch.float64)}
-        local = global_norm_squared(data.local_grads).double()
-        if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r
-            local = local / data.batch_sizes[data.world.rank] ** 2
-        return {SQ_NORMS: local}
+            terms = per_parameter_rows(data.statistics.sq_norms).sum(1)
+        elif data.local_grads is None:
+            terms = torch.full((len(data.params),), math.nan, dtype=torch.float64)
+        else:
+            terms = torch.stack([global_norm_squared([g]).double() for g in data.local_grads])
+            if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r
+                terms = terms / data.batch_sizes[data.world.rank] ** 2
+        if self.per_layer:
+            return {SQ_NORMS: terms.sum(), PER_PARAMETER: terms}
+        return {SQ_NORMS: terms.sum()}
 
-    def estimates(self, data: StepData) -> tuple[Tensor, Tensor]:
-        """(|G|^2, tr(S)) of the step; nan, with a warning, where they are undefined."""
-        total = data.totals[self.name][SQ_NORMS]
+    def estimates(self, data: StepData, key: str = SQ_NORMS) -> tuple[Tensor, Tensor]:
+        """(|G|^2, tr(S)) of the step, or with ``key="per_parameter"`` those of each tracked
+        parameter; nan, with a warning (of the global ones), where they are undefined."""
+        total = data.totals[self.name][key]
         n = data.batch_size
-        big = mean_gradient_sq_norm(data)
+        big = mean_gradient_sq_norm(data) if key == SQ_NORMS else mean_gradient_sq_norms(data)
         if self.per_process:
             sizes, processes = set(data.batch_sizes), data.world.size
             if processes > 1 and len(sizes) == 1:
@@ -122,11 +141,21 @@ class _NoiseScaleEstimate(Quantity):
             return signal_and_noise(total / n, 1, big, n)
         else:
             why = "a batch of one sample"
-        warnings.warn(
-            f"{self.name} at step {data.step} is undefined for {why}; stored nan.", stacklevel=2
-        )
+        if key == SQ_NORMS:
+            warnings.warn(
+                f"{self.name} at step {data.step} is undefined for {why}; stored nan.",
+                stacklevel=2,
+            )
         nan = torch.full_like(total, float("nan"))
         return nan, nan
+
+    def value(self, data: StepData, statistic) -> Tensor | dict:
+        """``statistic(|G|^2, tr(S))`` of the step and, with ``per_layer``, of each parameter
+        (:meth:`~avionics.quantities.base.Quantity.layered`)."""
+        value = statistic(*self.estimates(data))
+        if self.per_layer:
+            return self.layered(value, statistic(*self.estimates(data, PER_PARAMETER)))
+        return value
 
 
 class TrueGradSqNorm(_NoiseScaleEstimate):
@@ -135,9 +164,10 @@ class TrueGradSqNorm(_NoiseScaleEstimate):
     for a sum-reduced loss); can be negative when the noise dominates. See the module
     docstring."""
 
+    per_layer_output = per_parameter("sum")
+
     def compute(self, data: StepData):
-        signal, _ = self.estimates(data)
-        return {data.step: signal}
+        return {data.step: self.value(data, lambda signal, noise: signal)}
 
 
 class GradCovTrace(_NoiseScaleEstimate):
@@ -146,9 +176,10 @@ class GradCovTrace(_NoiseScaleEstimate):
     (McCandlish et al. 2018), g the gradient of the mean loss over the batch (the same for a
     sum-reduced loss). See the module docstring."""
 
+    per_layer_output = per_parameter("sum")
+
     def compute(self, data: StepData):
-        _, noise = self.estimates(data)
-        return {data.step: noise}
+        return {data.step: self.value(data, lambda signal, noise: noise)}
 
 
 class SimpleNoiseScale(_NoiseScaleEstimate):
@@ -156,9 +187,10 @@ class SimpleNoiseScale(_NoiseScaleEstimate):
     the mean loss over the batch (the same for a sum-reduced loss): noisy, and negative when
     the step's |G|^2 estimate is; GradientNoiseScale smooths it. See the module docstring."""
 
+    per_layer_output = PER_LAYER
+
     def compute(self, data: StepData):
-        signal, noise = self.estimates(data)
-        return {data.step: noise / signal}
+        return {data.step: self.value(data, lambda signal, noise: noise / signal)}
 
 
 class GradientNoiseScale(_NoiseScaleEstimate):
@@ -174,16 +206,27 @@ class GradientNoiseScale(_NoiseScaleEstimate):
     cancels in the ratio: the stored value is m_t(tr S) / m_t(|G|^2), at the first step that
     step's own B_simple (not pulled towards 0). A step whose estimates are not finite stores
     nan and leaves the averages as they were. The averages are kept by :meth:`state_dict`, so
-    a resumed run continues them.
+    a resumed run continues them. With ``per_layer``, each parameter k has its own two
+    averages, of |G^(k)|^2 and tr(S^(k)), and its smoothed ratio is stored beside the global
+    one (:data:`~avionics.quantities.outputs.PER_LAYER`).
 
     Args:
         schedule: the steps it is computed at (default: every step); the averages run over
             these steps.
         smoothing: beta, in [0, 1): the weight of the previous average (0: no smoothing).
         per_process: see :class:`_NoiseScaleEstimate`.
+        per_layer: also keep the smoothed noise scale of each tracked parameter.
     """
 
-    def __init__(self, schedule=None, smoothing: float = 0.9, per_process: bool = False):
+    per_layer_output = PER_LAYER
+
+    def __init__(
+        self,
+        schedule=None,
+        smoothing: float = 0.9,
+        per_process: bool = False,
+        per_layer: bool = False,
+    ):
         self.smoothing = checked_real(
             "GradientNoiseScale",
             "smoothing",
@@ -192,34 +235,44 @@ class GradientNoiseScale(_NoiseScaleEstimate):
             at_least=0,
             below=1,
         )
-        super().__init__(schedule, per_process)
-        # m_t of |G|^2 and of tr(S): float64 scalars, None before the first step
-        self._signal_average: Tensor | None = None
-        self._noise_average: Tensor | None = None
+        super().__init__(schedule, per_process, per_layer)
+        # m_t of |G|^2 and of tr(S) (float64 scalars; with per_layer, also [K] of each
+        # parameter's), keyed as in the state dict; empty before the first step
+        self._averages: dict[str, Tensor] = {}
 
     def compute(self, data: StepData):
-        signal, noise = self.estimates(data)
-        if self._signal_average is None:
-            self._signal_average = self._noise_average = torch.zeros_like(signal)
+        averages, smoothed = self._smoothed("", *self.estimates(data))
+        if self.per_layer:
+            layer_averages, layers = self._smoothed(LAYER, *self.estimates(data, PER_PARAMETER))
+            averages.update(layer_averages)
+            smoothed = self.layered(smoothed, layers)
+        self._averages = averages  # (all or nothing: _smoothed may raise)
+        return {data.step: smoothed}
+
+    def _smoothed(self, prefix: str, signal: Tensor, noise: Tensor) -> tuple[dict, Tensor]:
+        """The averages ``prefix + "signal_average"`` and ``prefix + "noise_average"`` moved
+        by this step's estimates where they are finite, and their ratio there (nan
+        elsewhere)."""
+        keys = prefix + "signal_average", prefix + "noise_average"
         beta = self.smoothing
         # on the device, without a host transfer: a non-finite step keeps the averages
         finite = torch.isfinite(signal) & torch.isfinite(noise)
-        signal_average = self._signal_average.to(signal)
-        noise_average = self._noise_average.to(noise)
-        self._signal_average = torch.where(
-            finite, beta * signal_average + (1 - beta) * signal, signal_average
-        )
-        self._noise_average = torch.where(
-            finite, beta * noise_average + (1 - beta) * noise, noise_average
-        )
-        smoothed = self._noise_average / self._signal_average
-        return {data.step: torch.where(finite, smoothed, torch.full_like(smoothed, float("nan")))}
+        averages = {}
+        for key, estimate in zip(keys, (signal, noise)):
+            average = self._averages.get(key, torch.zeros_like(estimate)).to(estimate)
+            if average.shape != estimate.shape:
+                raise ValueError(
+                    f"GradientNoiseScale: the loaded state has averages of {average.numel()} "
+                    f"parameters, but the cockpit tracks {estimate.numel()}: load the "
+                    "state_dict of a run of this model."
+                )
+            averages[key] = torch.where(finite, beta * average + (1 - beta) * estimate, average)
+        smoothed = averages[keys[1]] / averages[keys[0]]
+        return averages, torch.where(finite, smoothed, torch.full_like(smoothed, float("nan")))
 
     def state_dict(self) -> dict:
-        """The two moving averages m_t (none before the first step)."""
-        if self._signal_average is None:
-            return {}
-        return {"signal_average": self._signal_average, "noise_average": self._noise_average}
+        """The moving averages m_t (none before the first step)."""
+        return dict(self._averages)
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict`; a bad state raises and changes nothing."""
@@ -229,34 +282,45 @@ class GradientNoiseScale(_NoiseScaleEstimate):
                 f"GradientNoiseScale.state_dict() returned, got {type(state).__name__}."
             )
         if not state:
-            self._signal_average = self._noise_average = None
+            self._averages = {}
             return
-        expected = ("signal_average", "noise_average")
+        expected = ["signal_average", "noise_average"]
+        if self.per_layer:
+            expected += [LAYER + key for key in expected]
         if set(state) != set(expected):
             raise ValueError(
                 f"GradientNoiseScale.load_state_dict(state): state has the keys {list(state)}; "
-                f"it must have {list(expected)} (or none), as GradientNoiseScale.state_dict() "
+                f"it must have {expected} (or none), as GradientNoiseScale.state_dict() "
                 "returns."
             )
-        signal = _saved_average(state, "signal_average")
-        noise = _saved_average(state, "noise_average")
-        self._signal_average, self._noise_average = signal, noise
+        self._averages = {key: _saved_average(state, key) for key in expected}
+
+
+# the prefix of the per-layer averages' keys in GradientNoiseScale's state
+LAYER = "layer_"
 
 
 def _saved_average(state: dict, key: str) -> Tensor:
-    """``state[key]`` as a float64 scalar tensor, when it is one finite real number."""
+    """``state[key]`` as a float64 tensor, when it is one finite real number (or, for a
+    per-layer average, a 1-d tensor of them)."""
     value = state[key]
-    one_element = isinstance(value, Tensor) and value.numel() == 1
-    real = (one_element and value.dtype.is_floating_point) or (
-        isinstance(value, Real) and not isinstance(value, bool)
-    )
+    layers = key.startswith(LAYER)
+    if layers:
+        real = isinstance(value, Tensor) and value.dim() == 1 and value.dtype.is_floating_point
+    else:
+        one_element = isinstance(value, Tensor) and value.numel() == 1
+        real = (one_element and value.dtype.is_floating_point) or (
+            isinstance(value, Real) and not isinstance(value, bool)
+        )
+    what = "a 1-d tensor of finite numbers" if layers else "one finite number"
     message = (
-        f"GradientNoiseScale.load_state_dict(state): state[{key!r}] must be one finite number "
-        f"(a moving average that GradientNoiseScale.state_dict() saved), got {value!r}; pass "
-        "the state_dict of the run being resumed."
+        f"GradientNoiseScale.load_state_dict(state): state[{key!r}] must be {what} (a moving "
+        f"average that GradientNoiseScale.state_dict() saved), got {value!r}; pass the "
+        "state_dict of the run being resumed."
     )
     if not real:
         raise TypeError(message)
-    if not math.isfinite(float(value)):
+    average = torch.as_tensor(value, dtype=torch.float64)
+    if not bool(torch.isfinite(average).all()):
         raise ValueError(message)
-    return torch.as_tensor(value, dtype=torch.float64).reshape(())
+    return average if layers else average.reshape(())

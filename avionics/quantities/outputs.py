@@ -9,6 +9,9 @@ through its declaration:
 * :func:`per_parameter`: one number per tracked parameter (a list in parameter order), with
   how the list reduces to one number: ``"rss"`` (root of the sum of squares, for norms:
   ||theta|| = sqrt(sum_k ||theta^(k)||^2)), ``"sum"`` (traces) or ``"mean"``;
+* :data:`PER_LAYER`: ``{"global": x, "per_parameter": [x_1, ..., x_K]}``, a ratio of sums over
+  the parameters (NormTest, ...) and the same ratio of each parameter's own sums, which do not
+  reduce to the global value (a quantity read with ``per_layer=True``);
 * :data:`HISTOGRAM_1D`: ``{"hist": counts [bins], "edges": [bins + 1]}``;
 * :data:`HISTOGRAM_2D`: ``{"hist": counts [x bins, y bins], "edges": [x edges, y edges]}``;
 * :data:`TENSORS`: anything else (e.g. copies of the parameters): stored, never reduced.
@@ -40,6 +43,11 @@ class Output:
         return self.kind == "per_parameter"
 
     @property
+    def has_parameter_values(self) -> bool:
+        """Whether a value holds one number per tracked parameter (:meth:`parameter_values`)."""
+        return self.kind in ("per_parameter", "per_layer")
+
+    @property
     def histogram(self) -> bool:
         return self.kind in ("histogram_1d", "histogram_2d")
 
@@ -47,6 +55,9 @@ class Output:
         """The one number that summarises ``value``, or None where there is none."""
         if is_number(value):
             return float(value)
+        if self.kind == "per_layer":
+            whole = value.get("global") if isinstance(value, dict) else None
+            return float(whole) if is_number(whole) else None
         if not (self.is_per_parameter and isinstance(value, list) and value):
             return None
         if not all(is_number(v) for v in value):
@@ -56,6 +67,17 @@ class Output:
         if self.reduce == "mean":
             return float(math.fsum(value)) / len(value)
         return math.sqrt(math.fsum(float(v) ** 2 for v in value))
+
+    def parameter_values(self, value) -> list[float] | None:
+        """The numbers of the tracked parameters, in parameter order, of a per-parameter or
+        per-layer value; None for other kinds or a value that is not one."""
+        if self.kind == "per_layer" and isinstance(value, dict):
+            value = value.get("per_parameter")
+        elif self.kind != "per_parameter":
+            return None
+        if not (isinstance(value, list) and all(is_number(v) for v in value)):
+            return None
+        return [float(v) for v in value]
 
     def describe(self) -> dict:
         """JSON-ready description, for the log's metadata."""
@@ -81,8 +103,9 @@ def per_parameter(reduce: str = "rss") -> Output:
     return Output("per_parameter", reduce)
 
 
-KINDS = ("scalar", "per_parameter", "histogram_1d", "histogram_2d", "tensors")
+KINDS = ("scalar", "per_parameter", "per_layer", "histogram_1d", "histogram_2d", "tensors")
 SCALAR = Output("scalar")
+PER_LAYER = Output("per_layer")
 HISTOGRAM_1D = Output("histogram_1d")
 HISTOGRAM_2D = Output("histogram_2d")
 TENSORS = Output("tensors")

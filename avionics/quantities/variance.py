@@ -21,15 +21,24 @@ the mean-reduced value at the same lr (as in the reference Cockpit tool).
 
 The sums over the coordinates stay in the gradients' dtype (a float64 copy would be
 model-sized); what follows them is computed in float64.
+
+``per_layer=True`` also reads them per tracked parameter k, over that parameter's D_k
+coordinates alone: CABS is a sum over the coordinates, so it stores the list of the K terms
+lr c^2 sum_{d in k} (m2_d - g_d^2) / L (their sum is the global value); MeanGSNR and
+EarlyStopping store the global value and the K values with the means over d in k, MeanGSNR_k =
+mean_{d in k} g_d^2 / (m2_d - g_d^2 + eps) (the global one is their mean weighted by D_k / D;
+see :data:`~avionics.quantities.outputs.PER_LAYER`).
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData, flat_sum_sq
+from avionics.quantities.base import Quantity, StepData, flat_sum_sq, per_parameter_sums
 from avionics.quantities.gradient_tests import PER_SAMPLE_KEYS
+from avionics.quantities.outputs import PER_LAYER, per_parameter
 from avionics.quantities.plain_sgd import plain_sgd_learning_rate, require_plain_sgd
 
 
@@ -40,9 +49,16 @@ def _flat(tensors) -> torch.Tensor:
 
 
 class _SecondMoment(Quantity):
-    """Shared: the per-coordinate second moment m2_d = mean_n g_{n,d}^2."""
+    """Shared: the per-coordinate second moment m2_d = mean_n g_{n,d}^2.
+
+    Args:
+        schedule: the steps it is computed at (default: every step).
+        per_layer: also keep the value over each tracked parameter's coordinates alone (see
+            the module docstring).
+    """
 
     info_keys = PER_SAMPLE_KEYS
+    per_layer_output = PER_LAYER
 
     def request(self, step: int) -> Request:
         return Request(sum_sq=True)
@@ -58,6 +74,18 @@ class _SecondMoment(Quantity):
         g_sq = _flat(data.mean_grad).square_()
         variance = data.totals[self.name]["sum_sq"].div(data.batch_size).sub_(g_sq)
         return g_sq, variance
+
+    def coordinate_mean(self, terms: Tensor, data: StepData, then=None) -> Tensor | dict:
+        """``then(mean_d terms_d)`` (float64; ``then`` the identity by default) and, with
+        ``per_layer``, ``then`` of the mean over each parameter's coordinates
+        (:meth:`~avionics.quantities.base.Quantity.layered`)."""
+        then = then or (lambda mean: mean)
+        value = then(terms.mean().double())
+        if self.per_layer:
+            sizes = torch.tensor([p.numel() for p in data.params], dtype=torch.float64)
+            means = per_parameter_sums(terms, data).double() / sizes.to(value.device)
+            return self.layered(value, then(means))
+        return value
 
 
 class _PlainSGDOnly(_SecondMoment):
@@ -78,7 +106,7 @@ class MeanGSNR(_SecondMoment):
 
     def compute(self, data: StepData):
         g_sq, variance = self.moments(data)
-        return {data.step: g_sq.div_(variance.add_(self.eps)).mean().double()}
+        return {data.step: self.coordinate_mean(g_sq.div_(variance.add_(self.eps)), data)}
 
 
 class CABS(_PlainSGDOnly):
@@ -86,11 +114,17 @@ class CABS(_PlainSGDOnly):
     suggested batch size, for the loss L as the user reduced it (c = 1 for the mean of the
     per-sample losses, c = N for their sum: see the module docstring); plain SGD only."""
 
+    per_layer_output = per_parameter("sum")
+
     def compute(self, data: StepData):
         lr = plain_sgd_learning_rate(data.optimizer)
         c = data.batch_size if data.reduction == "sum" else 1
         _, variance = self.moments(data)
-        return {data.step: lr * c**2 * variance.sum().double() / data.loss.double()}
+        scale = lr * c**2 / data.loss.double()
+        value = scale * variance.sum().double()
+        if self.per_layer:
+            value = self.layered(value, scale * per_parameter_sums(variance, data).double())
+        return {data.step: value}
 
 
 class EarlyStopping(_PlainSGDOnly):
@@ -108,4 +142,5 @@ class EarlyStopping(_PlainSGDOnly):
             unbiased = variance.mul_(n).div_(n - 1)
         else:
             unbiased = variance.fill_(float("nan"))
-        return {data.step: 1 - n * g_sq.div_(unbiased.add_(self.eps)).mean().double()}
+        ratios = g_sq.div_(unbiased.add_(self.eps))
+        return {data.step: self.coordinate_mean(ratios, data, lambda mean: 1 - n * mean)}

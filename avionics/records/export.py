@@ -20,7 +20,12 @@ from pathlib import Path
 import numpy as np
 
 from avionics.records.run import Run
-from avionics.records.series import global_value, parameter_histograms, scalar_names
+from avionics.records.series import (
+    global_value,
+    parameter_histograms,
+    parameter_values,
+    scalar_names,
+)
 
 _RENAMED_FOR_COCKPIT = {"epoch": "epoch_count"}
 
@@ -32,16 +37,23 @@ def _csv_cell(value: float | None) -> str:
 
 
 def to_csv(run: Run, path: str | os.PathLike) -> Path:
-    """Write one row per step and one column per scalar series (per-parameter quantities as
-    their global value plus one column ``Name[parameter]`` per parameter, named as in the
-    model, e.g. ``GradNorm[0.weight]``, or ``Name[i]`` where the log does not name the
-    parameters); return the path."""
+    """Write one row per step and one column per scalar series (per-parameter and per-layer
+    quantities as their global value plus one column ``Name[parameter]`` per parameter, named
+    as in the model, e.g. ``GradNorm[0.weight]``, or ``Name[i]`` where the log does not name
+    the parameters); return the path."""
     names = scalar_names(run)
-    per_parameter = {
-        name: max(len(v[name]) for v in run.steps.values() if isinstance(v.get(name), list))
+    numbers = {
+        name: {
+            step: parameter_values(run, name, v[name])
+            for step, v in run.steps.items()
+            if name in v
+        }
         for name in names
-        if run.output(name).is_per_parameter
-        and any(isinstance(v.get(name), list) for v in run.steps.values())
+    }
+    per_parameter = {
+        name: max(len(v) for v in by_step.values() if v)
+        for name, by_step in numbers.items()
+        if any(by_step.values())
     }
     parameters = list(run.metadata.get("parameters") or {})
     header = ["step"]
@@ -59,9 +71,9 @@ def to_csv(run: Run, path: str | os.PathLike) -> Path:
             for name in names:
                 value = values.get(name)
                 row.append(_csv_cell(None if value is None else global_value(run, name, value)))
+                listed = numbers[name].get(step) or []
                 for i in range(per_parameter.get(name, 0)):
-                    has = isinstance(value, list) and i < len(value)
-                    row.append(_csv_cell(float(value[i]) if has else None))
+                    row.append(_csv_cell(listed[i] if i < len(listed) else None))
             writer.writerow(row)
     return path
 
