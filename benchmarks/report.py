@@ -18,9 +18,11 @@ BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
 def machine() -> str:
     """One line naming the machine and the versions, for the top of a section."""
+    threads = torch.get_num_threads()
     return (
-        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__}, Python {platform.python_version()}"
+        f"{time.strftime('%Y-%m-%d')}, {platform.machine()}, {threads} "
+        f"thread{'s' if threads > 1 else ''}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
     )
 
 

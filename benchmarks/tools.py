@@ -126,10 +126,11 @@ def reference_refuses(problem: str) -> str | None:
 def time_steps(problem, make_tool, kind, steps, warmup, budget_s, min_steps=5):
     """(median tool step, median plain step, timed steps), the two copies alternating.
 
+    ``problem`` is a name of ``PROBLEMS`` or a builder returning ``(model, X, y, loss_fn)``;
     ``make_tool(model, loss_fn)`` builds the tool; timing stops after ``budget_s`` seconds once
     ``min_steps`` steps are timed.
     """
-    model, X, y, loss_fn = PROBLEMS[problem]()
+    model, X, y, loss_fn = (PROBLEMS[problem] if isinstance(problem, str) else problem)()
     plain = Plain(copy.deepcopy(model), loss_fn, kind)
     tool = make_tool(model, loss_fn)
     t_plain, t_tool = [], []

@@ -32,14 +32,20 @@ counted with ``torch.histc`` / ``torch.bincount``.
 The kernels are compiled on first use and cached on disk where numba finds a writable folder
 (``NUMBA_CACHE_DIR``, this package's ``__pycache__``, or the user-wide cache under
 ``~/.cache``); where it finds none (a read-only installation used by a user without a writable
-home), they are compiled anew in each process (:data:`CACHE` is False).
+home), they are compiled anew in each process (:data:`CACHE` is False). Compiling takes
+seconds per kernel and value dtype (10-60 s for a first tracked step), so the first
+compilation in a process says so once on stderr (:data:`COMPILE_NOTICE`); loading them from
+the cache takes under a second and says nothing.
 """
 
 from __future__ import annotations
 
+import sys
+
 import numba
 import numpy as np
 import torch
+from numba.core import event
 from torch import Tensor
 
 from avionics.persample import OuterProducts
@@ -76,6 +82,36 @@ def _numba_can_cache() -> bool:
 
 CACHE = _numba_can_cache()
 _jit = numba.njit(cache=CACHE, nogil=True, boundscheck=False)
+
+COMPILE_NOTICE = "avionics: compiling the gradient-histogram kernels (first use, ~10-60 s)" + (
+    "; they are cached on disk for later runs."
+    if CACHE
+    else "; no writable cache folder, so every process compiles them: set NUMBA_CACHE_DIR to "
+    "a writable folder to keep them."
+)
+
+
+class _CompileNotice(event.Listener):
+    """Prints :data:`COMPILE_NOTICE` to stderr when numba starts compiling a kernel of this
+    module for the first time in the process. numba's "numba:compile" event starts only on
+    a real compilation, after the on-disk cache missed."""
+
+    def __init__(self):
+        self.said = False
+
+    def on_start(self, compile_event: event.Event) -> None:
+        dispatcher = (compile_event.data or {}).get("dispatcher")
+        if self.said or getattr(dispatcher, "py_func", None) is None:
+            return
+        if dispatcher.py_func.__module__ == __name__:
+            self.said = True
+            print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+
+    def on_end(self, compile_event: event.Event) -> None:
+        pass
+
+
+event.register("numba:compile", _CompileNotice())
 
 
 @_jit

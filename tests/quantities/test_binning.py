@@ -1,5 +1,9 @@
 """The binning kernels against numpy.histogram / numpy.histogram2d."""
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -199,3 +203,40 @@ def test_runs_are_not_searched_in_rows_with_nan_or_inf(special):
     binning.count_1d(outer, -2.0, 2.0, counts)
     index = binning.bin_index(outer.materialize().reshape(-1), 100, -2.0, 2.0)
     np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))
+
+
+# In a fresh process: an unrelated numba function compiles (no notice), a mark goes to
+# stderr, then a binning kernel and its helpers compile (or load from the cache) and count.
+COMPILE_THEN_COUNT = """
+import sys
+
+import numba
+import torch
+
+from avionics.quantities import binning
+
+numba.njit(lambda x: x + 1)(1)
+sys.stderr.write("MARK\\n")
+values = torch.arange(15, dtype=torch.float64).reshape(5, 3) / 7 - 1
+counts = torch.zeros(8, dtype=torch.int64)
+binning.count_1d(values, -1.0, 1.0, counts)
+print(counts.tolist())
+"""
+
+
+def test_compiling_the_kernels_is_said_once_and_loading_them_from_the_cache_is_not(tmp_path):
+    def run() -> subprocess.CompletedProcess:
+        env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba")}
+        command = [sys.executable, "-c", COMPILE_THEN_COUNT]
+        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+
+    compiled, loaded = run(), run()
+    # the bins of k / 7 - 1, k = 0..14, on [-1, 1] with 8 bins
+    expected = np.bincount(np.clip((np.arange(15) / 7) * 4, 0, 7).astype(int), minlength=8)
+    for result in (compiled, loaded):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.split("\n")[0] == str(expected.tolist())
+    notice = "avionics: compiling the gradient-histogram kernels (first use, ~10-60 s); they are"
+    assert compiled.stderr.count(notice) == 1, compiled.stderr
+    assert compiled.stderr.index("MARK") < compiled.stderr.index(notice)
+    assert loaded.stderr == "MARK\n"

@@ -3,7 +3,9 @@ squared Frobenius norm, spectral density and inverses.
 
 Every function takes any object with ``.shape`` (D, D) and ``@`` on torch vectors [D] and
 matrices [D, k], or a dense tensor. Stochastic functions take ``seed`` or ``generator`` and are
-reproducible (seed 0 when neither is given).
+reproducible (seed 0 when neither is given). The eigenpairs, spectral density, trace and
+diagonal estimators take ``progress`` (default ``"auto"``: a progress bar over the operator
+products on stderr once a call has run a few seconds; True: at once; False: never).
 
 On an operator of data sharded across torch.distributed processes (``distributed``), call the
 function on every process with the same ``seed`` (or generators seeded alike): the products

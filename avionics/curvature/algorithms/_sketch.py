@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import _as_matmul, _generator, _random
+from ._progress import check_progress, progress_bar
 
 
 @dataclass
@@ -41,14 +42,20 @@ class ExchangeableSketch:
         return S / S.norm(dim=0, keepdim=True)
 
 
-def exchangeable_sketch(A, num_products: int, kind: str, name: str, seed, generator):
-    """The sketch of ``A`` with m = num_products // 2 test vectors of ``kind`` (m <= D)."""
+def exchangeable_sketch(A, num_products: int, kind: str, name: str, seed, generator, progress):
+    """The sketch of ``A`` with m = num_products // 2 test vectors of ``kind`` (m <= D), its
+    2m products behind a progress bar (see :mod:`._progress`) named ``name``."""
     mm = _as_matmul(A)
     m = num_products // 2
     if m < 2:
         raise ValueError(f"{name} needs num_products >= 4, got {num_products}")
+    check_progress(name, progress)
     m = min(m, mm.dim)
     omega = _random((mm.dim, m), kind, _generator(seed, generator, mm.device), mm.dtype, mm.device)
-    Y = mm(omega)
-    Q, R = torch.linalg.qr(Y)
-    return ExchangeableSketch(omega, Y, Q, R, mm(Q))
+    with progress_bar(progress, 2 * m, name) as bar:
+        Y = mm(omega)
+        bar.update(m)
+        Q, R = torch.linalg.qr(Y)
+        Z = mm(Q)
+        bar.update(m)
+    return ExchangeableSketch(omega, Y, Q, R, Z)

@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import _as_matmul, _generator, _probe_blocks
+from ._progress import check_progress, progress_bar
 from ._sketch import exchangeable_sketch
 
 
@@ -17,6 +18,7 @@ def hutchinson_diagonal(
     chunk_size: int | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ) -> Tensor:
     """diag(A) ~ (1/m) sum_i z_i * (A z_i) (elementwise), m = ``num_products`` i.i.d. test
     vectors with E[z z^T] = I (Bekas, Kokiopoulou, Saad 2007, "An estimator for the diagonal of
@@ -24,16 +26,23 @@ def hutchinson_diagonal(
     j is sum_{l != j} A_jl^2 / m, so a diagonal matrix is recovered exactly. Probes are drawn
     and multiplied ``chunk_size`` at a time (all at once by default); the result does not
     depend on ``chunk_size``.
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never; it advances once per block of ``chunk_size`` probes.
     """
     mm = _as_matmul(A)
     if num_products < 1:
         raise ValueError(f"num_products must be >= 1, got {num_products}")
+    check_progress("hutchinson_diagonal", progress)
     gen = _generator(seed, generator, mm.device)
     total = torch.zeros(mm.dim, dtype=mm.dtype, device=mm.device)
-    for Z in _probe_blocks(
+    blocks = _probe_blocks(
         mm.dim, num_products, chunk_size, distribution, gen, mm.dtype, mm.device
-    ):
-        total = total + (Z * mm(Z)).sum(1)
+    )
+    with progress_bar(progress, num_products, "hutchinson_diagonal") as bar:
+        for Z in blocks:
+            total = total + (Z * mm(Z)).sum(1)
+            bar.update(Z.shape[1])
     return total / num_products
 
 
@@ -43,6 +52,7 @@ def xdiag(
     *,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ) -> Tensor:
     """XDiag, the exchangeable diagonal estimator of Epperly, Tropp & Webber 2024 ("XTrace:
     making the most of every sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl.
@@ -63,8 +73,11 @@ def xdiag(
 
     Uses 2m products (A Omega and A Q; m is capped at D). If A Omega is rank deficient,
     diag(Q Z^T) is exact.
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never.
     """
-    sketch = exchangeable_sketch(A, num_products, "rademacher", "xdiag", seed, generator)
+    sketch = exchangeable_sketch(A, num_products, "rademacher", "xdiag", seed, generator, progress)
     Om, Y, Q, Z, m = sketch.omega, sketch.Y, sketch.Q, sketch.Z, sketch.m
     exact_part = (Q * Z).sum(1)
     if sketch.rank_deficient:

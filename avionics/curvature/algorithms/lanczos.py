@@ -47,6 +47,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import _as_matmul, _generator
+from ._progress import check_progress, progress_bar
 
 # Safety factor on the gap estimate r^2 / gap of the eigenvalue error ("eigenvalue" criterion).
 GAP_SAFETY = 10.0
@@ -166,6 +167,7 @@ def top_eigenpairs(
     generator: torch.Generator | None = None,
     criterion: str = "residual",
     state: LanczosState | None = None,
+    progress: bool | str = "auto",
 ) -> EigenResult:
     """The k largest algebraic (not largest magnitude) eigenvalues of a symmetric A, with
     eigenvectors, by Lanczos with full reorthogonalisation and thick restarts.
@@ -185,12 +187,16 @@ def top_eigenpairs(
     max_basis: Krylov basis size before a thick restart (default max(50, 3k), at most D).
     state: a :class:`LanczosState` whose storage holds the basis and which keeps the top
         eigenpair for the next call's warm start.
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never.
     Values are returned largest first; all nan (``converged`` False, the state keeping no
     eigenpair) when a product is not finite.
     """
     return _lanczos_extreme(
-        A, k, "LA", tol, max_products, v0, max_basis, seed, generator, criterion, state
-    )
+        A, k, "LA", tol, max_products, v0, max_basis, seed, generator, criterion, state,
+        progress,
+    )  # fmt: skip
 
 
 def bottom_eigenpairs(
@@ -205,14 +211,16 @@ def bottom_eigenpairs(
     generator: torch.Generator | None = None,
     criterion: str = "residual",
     state: LanczosState | None = None,
+    progress: bool | str = "auto",
 ) -> EigenResult:
     """The k smallest algebraic eigenvalues (most negative first) of a symmetric A, with
     eigenvectors. Same algorithm and arguments as :func:`top_eigenpairs`; values are returned
     smallest first. Note that the stopping rules are relative to |theta|, so eigenvalues very
     close to zero need a small ``tol`` or a large budget."""
     return _lanczos_extreme(
-        A, k, "SA", tol, max_products, v0, max_basis, seed, generator, criterion, state
-    )
+        A, k, "SA", tol, max_products, v0, max_basis, seed, generator, criterion, state,
+        progress,
+    )  # fmt: skip
 
 
 def _as_block_operator(A) -> BlockOperator:
@@ -224,7 +232,7 @@ def _as_block_operator(A) -> BlockOperator:
 
 
 def _lanczos_extreme(
-    A, k, which, tol, max_products, v0, max_basis, seed, generator, criterion, state
+    A, k, which, tol, max_products, v0, max_basis, seed, generator, criterion, state, progress
 ):
     op = _as_block_operator(A)
     D, dtype, device = op.dim, op.dtype, op.device
@@ -240,6 +248,8 @@ def _lanczos_extreme(
     max_basis = min(D, max(50, 3 * k) if max_basis is None else int(max_basis))
     if max_basis < min(D, k + 2):
         raise ValueError(f"max_basis must be at least k + 2 = {k + 2} (or D), got {max_basis}")
+    name = "top_eigenpairs" if which == "LA" else "bottom_eigenpairs"
+    check_progress(name, progress)
     gen = None
 
     def random_unit_vector() -> Tensor:
@@ -261,7 +271,8 @@ def _lanczos_extreme(
         storage[start] = random_unit_vector()
 
     lanczos = _Lanczos(op, storage, start, k, which, max_basis, random_unit_vector)
-    found = lanczos.run(tol, criterion == "eigenvalue", max_products)
+    with progress_bar(progress, max_products, name) as bar:
+        found = lanczos.run(tol, criterion == "eigenvalue", max_products, bar)
     if found is None:
         return _not_finite(D, k, dtype, device, lanczos.products)
     theta, Y, nb, residuals, converged = found
@@ -330,10 +341,10 @@ class _Lanczos:
         self.eps = float(torch.finfo(op.dtype).eps)
         self.products = 0
 
-    def run(self, tol: float, eigenvalue_bound: bool, max_products: int):
+    def run(self, tol: float, eigenvalue_bound: bool, max_products: int, bar):
         """Lanczos steps until the stopping rule, the budget or an exhausted space (nb = D);
         returns (theta, Y, nb, residual norms of the wanted pairs, converged), or None at a
-        product that is not finite."""
+        product that is not finite. Each product advances the progress bar ``bar``."""
         T, storage, start, slices = self.T, self.storage, self.start, self.op.slices
         nb, anorm = 1, 0.0
         while True:
@@ -341,6 +352,7 @@ class _Lanczos:
             V, w = Vw[:-1], Vw[-1]
             hv = self.op(V[-1])
             self.products += 1
+            bar.update()
             if self.flat:
                 _place(hv, slices, w)
                 hv = None

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import MatMul, _as_matmul, _generator, _random
+from ._progress import check_progress, progress_bar
 
 
 @dataclass
@@ -67,6 +68,7 @@ def spectral_density(
     reorthogonalize: bool = True,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ) -> SpectralDensity:
     """Gaussian-smoothed spectral density of a symmetric A by stochastic Lanczos quadrature.
 
@@ -80,15 +82,20 @@ def spectral_density(
         [lower - margin * spread, upper + margin * spread] (margin >= 3 * bandwidth keeps the
         kernels' mass on the grid). A zero spread (A = c I) uses spread = max(|c|, 1).
     reorthogonalize: full reorthogonalisation per probe (default; see the module docstring).
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never.
     """
     mm = _as_matmul(A)
     D = mm.dim
     if num_probes < 1 or num_steps < 1:
         raise ValueError("num_probes and num_steps must be >= 1")
+    check_progress("spectral_density", progress)
     m = min(num_steps, D)
     gen = _generator(seed, generator, mm.device)
     V0 = _random((D, num_probes), "rademacher", gen, mm.dtype, mm.device)
-    alphas, betas, lengths = _batched_lanczos(mm, V0, m, reorthogonalize)
+    with progress_bar(progress, m * num_probes, "spectral_density") as bar:
+        alphas, betas, lengths = _batched_lanczos(mm, V0, m, reorthogonalize, bar)
 
     nodes = torch.zeros(num_probes, m, dtype=torch.float64)
     weights = torch.zeros(num_probes, m, dtype=torch.float64)
@@ -123,9 +130,10 @@ def spectral_density(
     )
 
 
-def _batched_lanczos(mm: MatMul, V0: Tensor, m: int, reorthogonalize: bool = True):
+def _batched_lanczos(mm: MatMul, V0: Tensor, m: int, reorthogonalize: bool, bar):
     """m Lanczos steps from each column of V0 at once, fully reorthogonalised per column
-    (or plain three-term Lanczos if not ``reorthogonalize``).
+    (or plain three-term Lanczos if not ``reorthogonalize``); each block product advances the
+    progress bar ``bar`` by its columns.
 
     Returns alphas [b, m], betas [b, m] (float64, CPU; betas[:, j] couples steps j and j+1) and
     the per-column length (number of valid steps; shorter after an invariant subspace).
@@ -142,6 +150,7 @@ def _batched_lanczos(mm: MatMul, V0: Tensor, m: int, reorthogonalize: bool = Tru
     for j in range(m):
         basis[j if reorthogonalize else j % 2] = v
         w = mm(v)
+        bar.update(b)
         alpha = (v * w).sum(0)
         alphas[:, j] = alpha.double().cpu()
         scale = torch.maximum(scale, alpha.abs())

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ._matmul import _as_matmul, _generator, _probe_blocks, _random
+from ._progress import check_progress, progress_bar
 from ._sketch import exchangeable_sketch
 
 
@@ -23,6 +24,7 @@ def hutchinson_trace(
     chunk_size: int | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ) -> Tensor:
     """Hutchinson's estimator tr(A) ~ (1/m) sum_i z_i^T A z_i with m = ``num_products`` i.i.d.
     test vectors, E[z z^T] = I (Hutchinson 1989, "A stochastic estimator of the trace of the
@@ -31,16 +33,23 @@ def hutchinson_trace(
 
     The probes are drawn and multiplied ``chunk_size`` at a time (all at once by default); the
     result does not depend on ``chunk_size``.
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never; it advances once per block of ``chunk_size`` probes.
     """
     mm = _as_matmul(A)
     if num_products < 1:
         raise ValueError(f"num_products must be >= 1, got {num_products}")
+    check_progress("hutchinson_trace", progress)
     gen = _generator(seed, generator, mm.device)
     total = torch.zeros((), dtype=mm.dtype, device=mm.device)
-    for Z in _probe_blocks(
+    blocks = _probe_blocks(
         mm.dim, num_products, chunk_size, distribution, gen, mm.dtype, mm.device
-    ):
-        total = total + (Z * mm(Z)).sum()
+    )
+    with progress_bar(progress, num_products, "hutchinson_trace") as bar:
+        for Z in blocks:
+            total = total + (Z * mm(Z)).sum()
+            bar.update(Z.shape[1])
     return total / num_products
 
 
@@ -51,6 +60,7 @@ def hutchpp_trace(
     distribution: str = "rademacher",
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ) -> Tensor:
     """Hutch++ (Meyer, Musco, Musco, Woodruff 2021, "Hutch++: Optimal stochastic trace
     estimation", Algorithm 1): with m = ``num_products``, s = m // 3 sketch vectors S and
@@ -60,21 +70,33 @@ def hutchpp_trace(
 
     Exact on the top of the spectrum captured by Q, Hutchinson on the rest; unbiased. The
     products A Q and A (I - QQ^T) G are done as one block. Falls back to Hutchinson for m < 3.
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never.
     """
     mm = _as_matmul(A)
     if num_products < 3:
         return hutchinson_trace(
-            A, num_products, distribution=distribution, seed=seed, generator=generator
+            A,
+            num_products,
+            distribution=distribution,
+            seed=seed,
+            generator=generator,
+            progress=progress,
         )
+    check_progress("hutchpp_trace", progress)
     gen = _generator(seed, generator, mm.device)
     s = num_products // 3
     g = num_products - 2 * s
     S = _random((mm.dim, s), distribution, gen, mm.dtype, mm.device)
     G = _random((mm.dim, g), distribution, gen, mm.dtype, mm.device)
-    Q, _ = torch.linalg.qr(mm(S))  # [D, min(D, s)]
-    q = Q.shape[1]
-    G = G - Q @ (Q.T @ G)
-    AB = mm(torch.cat([Q, G], 1))
+    with progress_bar(progress, s + min(mm.dim, s) + g, "hutchpp_trace") as bar:
+        Q, _ = torch.linalg.qr(mm(S))  # [D, min(D, s)]
+        bar.update(s)
+        q = Q.shape[1]
+        G = G - Q @ (Q.T @ G)
+        AB = mm(torch.cat([Q, G], 1))
+        bar.update(q + g)
     return (Q * AB[:, :q]).sum() + (G * AB[:, q:]).sum() / g
 
 
@@ -86,6 +108,7 @@ def xtrace(
     return_error: bool = False,
     seed: int | None = None,
     generator: torch.Generator | None = None,
+    progress: bool | str = "auto",
 ):
     """XTrace, the exchangeable trace estimator of Epperly, Tropp & Webber 2024 ("XTrace: making
     the most of every sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl.
@@ -107,11 +130,14 @@ def xtrace(
         u_i * sqrt(N - m + 1) / ||u_i||, which keeps E[u_i u_i^T] = I - P_i (u_i is isotropic in
         the (N - m + 1)-dimensional complement) and removes the fluctuation of ||u_i||.
     return_error: also return the error estimate std(tr_i) / sqrt(m) of the paper's eq. (2.8).
+    progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
+        :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
+        never.
 
     A need not be symmetric. If A Omega is rank deficient (A of rank < m), range(A Omega)
     contains range(A) and tr(Q^T A Q) is the exact trace, which is returned.
     """
-    sketch = exchangeable_sketch(A, num_products, "gaussian", "xtrace", seed, generator)
+    sketch = exchangeable_sketch(A, num_products, "gaussian", "xtrace", seed, generator, progress)
     Om, Q, R, Z, m = sketch.omega, sketch.Q, sketch.R, sketch.Z, sketch.m
     N = Om.shape[0]
     H = Q.T @ Z
