@@ -257,6 +257,7 @@ class Cockpit:
             finite = bool(torch.isfinite(loss))
         if finite:
             _check_loss_graphs(step, info, active, self._capture, self.model)
+            _validate_forwards(step, info, active, self._capture, self.model, self.params)
         # nothing has changed up to here; from here on the step owns the capture
         capture, self._capture = self._capture, None
         if capture is not None:
@@ -1400,6 +1401,17 @@ def _check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.M
             "compute both from one forward (out = model(x); losses = criterion(out, y, "
             "reduction='none'); loss = losses.mean())."
         )
+
+
+def _validate_forwards(step: int, info: dict, active: list, capture, model, params) -> None:
+    """Before the backward: each quantity's check of the step's captured forward (e.g. the
+    cost of a curvature diagonal, from the model's output), on the latest forward of the
+    model (the one the loss comes from, as a rule)."""
+    roots = [c for c in capture.calls if c.module is model][-1:] if capture is not None else []
+    losses = info.get("individual_losses")
+    n = len(losses) if isinstance(losses, Tensor) and losses.dim() == 1 else None
+    for q in active:
+        q.validate_forward(step, model, params, roots, n)
 
 
 def _check_backward(step: int, active: list, params: list[Tensor]) -> None:

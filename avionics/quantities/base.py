@@ -239,6 +239,15 @@ class Quantity:
         checking that the keys of :meth:`required_info` are present and before the backward:
         an error here leaves nothing computed, stored or logged."""
 
+    def validate_forward(
+        self, step: int, model: nn.Module, params: list[Tensor], roots: list, n: int | None
+    ) -> None:
+        """Raise if the step cannot be computed at a bounded cost, known from its forward: the
+        cockpit calls it after :meth:`validate`, before the backward, with the model, the
+        tracked parameters, the captured calls of the model itself in the latest forward
+        (``roots``: :class:`~avionics.persample.capture.ModuleCall`, empty when nothing was
+        captured) and the number of per-sample losses (None without them)."""
+
     def prepare(self, data: StepData) -> dict[str, list[Tensor]]:
         """Start-of-step work; return the directions (beyond "grad", the mean gradient) this
         quantity's request names, one tensor per parameter.

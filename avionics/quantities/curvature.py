@@ -35,7 +35,7 @@ from __future__ import annotations
 import warnings
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from avionics.curvature.step import VARIANTS
 from avionics.curvature.step.ggn_diagonal import ggn_diagonal
@@ -79,36 +79,39 @@ AUTO_MAX_PROBES = 2048
 AUTO_MAX_COLUMNS = 64
 
 
-def output_entries(data: StepData) -> int | None:
-    """M, the entries of one sample's output in the step's one captured forward of the model;
-    None when the GGN diagonals cannot run (no single forward with one output, batch first)."""
-    calls = data.captured.calls.get(data.model, []) if data.captured is not None else []
-    if len(calls) != 1 or len(calls[0].nodes) != 1:
+def output_entries(roots: list, n: int) -> int | None:
+    """M, the entries of one sample's output, from the captured calls of the model itself in
+    the step's forward (``roots``); None when the GGN diagonals cannot run (not one forward
+    with one output, batch first)."""
+    if len(roots) != 1 or len(roots[0].nodes) != 1:
         return None
-    root = calls[0]
+    root = roots[0]
     shape = root.outputs[root.node_outputs[0]].shape
-    n = len(data.individual_losses)
     if shape[root.batch_axis] != n:
         return None
     return shape.numel() // n
 
 
-def ggn_variants_that_work(data: StepData) -> list[str]:
-    """The GGN diagonal variants this step's model and output allow."""
-    m = output_entries(data)
+def step_output_entries(data: StepData) -> int | None:
+    """:func:`output_entries` of the step's captured forward."""
+    roots = data.captured.calls.get(data.model, []) if data.captured is not None else []
+    return output_entries(roots, len(data.individual_losses))
+
+
+def ggn_variants_that_work(m: int | None) -> list[str]:
+    """The GGN diagonal variants a model whose samples have M output entries allows."""
     if m is None:
         return []
     return ["diag_ggn_exact", "diag_ggn_mc"] if m <= MAX_OUTPUT_SIZE else ["diag_ggn_mc"]
 
 
-def choose_variant(data: StepData) -> tuple[str, str]:
+def choose_variant(model: nn.Module, params: list[Tensor], m: int | None) -> tuple[str, str]:
     """(variant, why) for curvature="auto", by the cost of a step: the exact Hessian diagonal
     costs one Hessian-vector product per parameter element unless the network is piecewise
     linear (then it is the exact GGN diagonal's M backward passes, M the entries of a sample's
     output); the Monte-Carlo GGN diagonal costs mc_samples passes whatever M."""
-    dim = sum(p.numel() for p in data.params)
-    m = output_entries(data)
-    bad = not_piecewise_linear(data.model)
+    dim = sum(p.numel() for p in params)
+    bad = not_piecewise_linear(model)
     if not bad:
         if m is not None and m <= AUTO_MAX_COLUMNS:
             return "diag_h", (
@@ -198,18 +201,46 @@ class _Curvature(Quantity):
     # Whether the quantity reads the diagonal itself, not only its sums per parameter
     needs_diagonal = False
 
-    def variant(self, data: StepData) -> str:
-        """The variant computed: the one asked for, or what "auto" chose (once, with a
-        warning saying which and why)."""
-        if self.curvature != AUTO:
-            return self.curvature
-        if self._chosen is None:
-            self._chosen, why = choose_variant(data)
+    def validate_forward(self, step: int, model: nn.Module, params: list, roots: list, n: int):
+        """On entering the step, before its backward: choose the "auto" variant (said once),
+        and refuse a variant whose cost is beyond its budget or that cannot run on this
+        model, with the cost and only the variants that work for it."""
+        m = output_entries(roots, n)
+        if self.curvature == AUTO and self._chosen is None:
+            self._chosen, why = choose_variant(model, params, m)
             warnings.warn(
                 f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
                 "Pass curvature= to choose (said once).",
-                stacklevel=3,
+                stacklevel=4,
             )
+        variant = self._chosen or self.curvature
+        dim = sum(p.numel() for p in params)
+        bad = not_piecewise_linear(model)
+        if variant == "diag_h" and bad and dim > self.max_probes:
+            working = [f"curvature={v!r}" for v in ggn_variants_that_work(m)]
+            raise ValueError(
+                f"Step {step}: {self.name}(curvature='diag_h'): the exact Hessian diagonal of "
+                f"this network needs {dim} Hessian-vector products per step (more than "
+                f"max_probes={self.max_probes}), because these modules are not piecewise "
+                f"linear in each weight: {', '.join(bad[:8])}. What works for this model: "
+                f"{', or '.join([*working, f'max_probes={dim} to accept the cost'])}."
+            )
+        if variant == "diag_ggn_exact" or (variant == "diag_h" and not bad):
+            if m is not None and m > MAX_OUTPUT_SIZE:
+                raise ValueError(
+                    f"Step {step}: {self.name}(curvature={variant!r}): the exact GGN diagonal "
+                    f"takes one backward pass per entry of a sample's output, {m} here (more "
+                    f"than {MAX_OUTPUT_SIZE}). What works for this model: "
+                    "curvature='diag_ggn_mc' (mc_samples passes per step)."
+                )
+
+    def variant(self, data: StepData) -> str:
+        """The variant computed: the one asked for, or what "auto" chose on entering the
+        first step (:meth:`validate_forward`; chosen here when a step came without it)."""
+        if self.curvature != AUTO:
+            return self.curvature
+        if self._chosen is None:
+            self._chosen, _ = choose_variant(data.model, data.params, step_output_entries(data))
         return self._chosen
 
     def _key(self, data: StepData) -> tuple:
@@ -258,20 +289,7 @@ class _Curvature(Quantity):
         losses = data.info["individual_losses"]
         variant = self.variant(data)
         if variant == "diag_h":
-            bad = not_piecewise_linear(model)
-            if bad:
-                dim = sum(p.numel() for p in data.params)
-                if dim > self.max_probes:
-                    working = [f"curvature={v!r}" for v in ggn_variants_that_work(data)] + [
-                        "raise max_probes"
-                    ]
-                    raise ValueError(
-                        f"{self.name}(curvature='diag_h'): the exact Hessian diagonal of this "
-                        f"network needs {dim} Hessian-vector products (more than max_probes="
-                        f"{self.max_probes}), because these modules are not piecewise linear "
-                        f"in each weight: {', '.join(bad[:8])}. What works for this model: "
-                        f"{', or '.join(working)}."
-                    )
+            if not_piecewise_linear(model):  # (its cost was checked on entering the step)
                 h = self._probed_diagonal(data)
                 return [d.sum() for d in h] if traces else h
             variant = "diag_ggn_exact"  # equal for piecewise-linear networks

@@ -81,6 +81,29 @@ def test_the_too_costly_exact_diagonal_suggests_only_what_works():
     model = TwoOutputs().double()  # no single output tensor: no GGN diagonal runs
     cockpit = Cockpit(model, [HessTrace(curvature="diag_h", max_probes=100)])
     losses = F.cross_entropy(model(X)[0], y, reduction="none")
-    with pytest.raises(ValueError, match="What works for this model: raise max_probes\\."):
+    with pytest.raises(
+        ValueError, match="What works for this model: max_probes=[0-9]+ to accept the cost\\."
+    ):
         with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses}):
             losses.mean().backward(create_graph=True)
+
+
+@pytest.mark.parametrize(
+    "width, classes, curvature, message",
+    [
+        (300, 3, "diag_h", r"3003 Hessian-vector products per step .*max_probes=3003 to"),
+        (4, 5000, "diag_ggn_exact", r"5000 here .*curvature='diag_ggn_mc'"),
+    ],
+)
+def test_a_costly_variant_is_refused_before_the_backward(width, classes, curvature, message):
+    """The cost is known from the forward: the step is refused on entering the block, before
+    the user's (create_graph) backward runs, and nothing is stored or left on the model."""
+    model, X, y = tanh_mlp(width, classes)
+    cockpit = Cockpit(model, [HessTrace(curvature=curvature, max_probes=1000)])
+    losses = F.cross_entropy(model(X), y, reduction="none")
+    ran = []
+    with pytest.raises(ValueError, match=message):
+        with cockpit(0, info={"loss": losses.mean(), "individual_losses": losses}):
+            ran.append(True)
+    assert ran == [] and cockpit.get_output() == {}
+    assert all(p.grad is None for p in model.parameters())
