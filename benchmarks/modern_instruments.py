@@ -2,14 +2,16 @@
 a plain one.
 
 For every problem of :mod:`benchmarks.problems` and every configuration (each new quantity
-alone, HessMaxEV for comparison, and the new ones all together), two identical copies of the
+alone, HessMaxEV for comparison, the new ones all together, and the "transformer" preset on
+one of its ordinary steps and on a step of its sparse schedule), two identical copies of the
 model train side by side with Adam (lr 1e-3): one plainly, one inside ``with cockpit(step,
 info)`` with every step tracked. Steps alternate (plain, instrumented, plain, ...) so that
 machine noise hits both alike (:func:`benchmarks.tools.time_steps`); the ratio is
 median(instrumented) / median(plain) over the timed steps after a warm-up (PreconditionedSharpness
 and HessMaxEV start Lanczos from a random vector on the first step and warm-start afterwards).
 Tracked steps that differentiate the gradient again run PyTorch's math attention kernel on the
-GPT (the fused kernels have no second derivative); plain steps use the default kernel.
+GPT (the cockpit selects it: the fused kernels have no second derivative); plain steps use the
+default kernel.
 
 Run: ``python -m benchmarks.modern_instruments`` (all), or e.g.
 ``python -m benchmarks.modern_instruments --problems mlp --quantities LossOutliers --no-write``.
@@ -21,46 +23,65 @@ from __future__ import annotations
 import argparse
 import time
 import warnings
-from contextlib import nullcontext
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from avionics import quantities
+from avionics import Cockpit, configuration, quantities
+from avionics.schedules import linear
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
-from benchmarks.tools import Avionics, time_steps
+from benchmarks.tools import Plain, time_steps
 
-# The issue-15 quantities, those of them that this tree has (UpdateRatio and ActivationHealth
-# are another module's), and HessMaxEV, the curvature instrument they are compared with.
-NEW = [
-    q
-    for q in ("PreconditionedSharpness", "LossOutliers", "UpdateRatio", "ActivationHealth")
-    if hasattr(quantities, q)
-]
+NEW = ["PreconditionedSharpness", "LossOutliers", "UpdateRatio", "ActivationHealth"]
 COMPARED = ["HessMaxEV"]
 ALL = "all new together"
+# The preset's ordinary steps are timed from step 10001, where its logarithmic schedule has no
+# step for a while; its sparse steps with every quantity on every step.
+PRESET_ORDINARY = 'configuration("transformer"), an ordinary step'
+PRESET_SPARSE = 'configuration("transformer"), a step of its sparse schedule'
+CONFIGS = {
+    **{name: (lambda name=name: [getattr(quantities, name)()], 0) for name in NEW + COMPARED},
+    ALL: (lambda: [getattr(quantities, name)() for name in NEW], 0),
+    PRESET_ORDINARY: (lambda: configuration("transformer"), 10_001),
+    PRESET_SPARSE: (lambda: configuration("transformer", schedule=linear(1)), 0),
+}
 
 
-class _AdamCockpit(Avionics):
-    """An Adam step watched by a cockpit; steps that differentiate the gradient again run the
-    math attention kernel (``math_attention``)."""
+class _AdamCockpit(Plain):
+    """An Adam step watched by a cockpit with ``make_quantities()``, numbered from ``offset``."""
 
-    def __init__(self, model, loss_fn, names: list[str], math_attention: bool):
-        super().__init__(model, loss_fn, "adam", names)
-        self.math_attention = math_attention
+    def __init__(self, model, loss_fn, make_quantities, offset: int):
+        super().__init__(model, loss_fn, "adam")
+        self.cockpit = Cockpit(model, make_quantities(), first_step=offset)
+        self.offset = offset
 
     def step(self, k, X, y) -> None:
-        second_order = self.math_attention and self.cockpit.create_graph(k)
-        with sdpa_kernel(SDPBackend.MATH) if second_order else nullcontext():
-            super().step(k, X, y)
+        self.opt.zero_grad()
+        losses = self.loss_fn(self.model(X), y)
+        loss = losses.mean()
+        step = self.offset + k
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
+                "optimizer": self.opt}  # fmt: skip
+        with self.cockpit(step, info):
+            loss.backward(create_graph=self.cockpit.create_graph(step))
+        self.opt.step()
+
+    # The capture is armed between tracked steps; the plain copy's steps run without its hook.
+    def pause(self) -> None:
+        if self.cockpit._capture is not None:
+            self.cockpit._capture.disarm()
+
+    def resume(self) -> None:
+        if self.cockpit._capture is not None:
+            self.cockpit._capture.arm()
 
 
-def time_ratio(problem: str, names: list[str], steps: int, warmup: int) -> float:
+def time_ratio(problem: str, config: str, steps: int, warmup: int) -> float:
     """Median instrumented / median plain Adam step time."""
+    make_quantities, offset = CONFIGS[config]
     tool, plain, _ = time_steps(
         problem,
-        lambda model, loss_fn: _AdamCockpit(model, loss_fn, names, problem == "gpt"),
+        lambda model, loss_fn: _AdamCockpit(model, loss_fn, make_quantities, offset),
         "adam",
         steps,
         warmup,
@@ -69,33 +90,23 @@ def time_ratio(problem: str, names: list[str], steps: int, warmup: int) -> float
     return tool / plain
 
 
-def _names(config: str) -> list[str]:
-    return NEW if config == ALL else [config]
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
-    parser.add_argument(
-        "--quantities",
-        nargs="+",
-        default=NEW + COMPARED + [ALL],
-        help=f"names from {NEW + COMPARED}, or 'all' for the new ones together",
-    )
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
-    configs = [ALL if q in ("all", ALL) else q for q in args.quantities]
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
 
     rows = []
     started = time.perf_counter()
     for problem in args.problems:
-        for config in configs:
-            ratio = time_ratio(problem, _names(config), args.steps, args.warmup)
+        for config in args.configs:
+            ratio = time_ratio(problem, config, args.steps, args.warmup)
             rows.append([problem, config, f"{ratio:.2f}"])
             print(" | ".join(rows[-1]), flush=True)
     elapsed = time.perf_counter() - started
@@ -108,8 +119,11 @@ def main(argv=None) -> None:
             "warm-up steps, plain and instrumented steps alternating on two copies of the "
             "model (Adam, lr 1e-3), synthetic data, batch 128 (GPT: 32 sequences of 64 "
             f"tokens). '{ALL}' is {', '.join(NEW)}. PreconditionedSharpness and HessMaxEV "
-            "use their defaults (tol 1e-3, warm-started Lanczos); their tracked GPT steps run "
-            "the math attention kernel, the plain ones the default kernel.",
+            "use their defaults (tol 1e-3, warm-started Lanczos). The transformer preset runs "
+            "GradHist1d and PreconditionedSharpness on a logarithmic schedule (about 10 steps "
+            "a decade) and the rest at every step: its ordinary steps are timed from step "
+            "10001 (none of the sparse steps among them), its sparse steps with all its "
+            "quantities at every step.",
             table(["problem", "quantities", "time ratio"], rows),
         ]
     )
