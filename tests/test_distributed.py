@@ -1,9 +1,12 @@
 """The cockpit under data parallelism: on every process, each quantity equals a single process
 run on the concatenated batch (float64), with DistributedDataParallel and its options, equal
-and unequal per-process batches, 2 and 3 gloo processes (SPEC section 2, avionics.distributed).
+and unequal per-process batches, 2 and 3 gloo processes, gradient accumulation in each process
+(SPEC section 2, avionics.distributed).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import models
 import pytest
@@ -80,9 +83,12 @@ def single_process(architecture, names, sizes, reduction="mean"):
     return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
 
 
-def one_rank(rank, world, architecture, names, sizes, wrap, options, log, reduction="mean"):
+def one_rank(
+    rank, world, architecture, names, sizes, wrap, options, log, reduction="mean", micro=1
+):
     """One process of a data-parallel run: its shard of each batch, DDP (``wrap``) with
-    ``options`` or the plain model with the gradients averaged by hand."""
+    ``options`` or the plain model with the gradients averaged by hand; the shard in ``micro``
+    micro-batches (gradient accumulation, DDP's ``no_sync`` on all but the last)."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
     forward = nn.parallel.DistributedDataParallel(model, **options) if wrap else model
     # wrap == "module": trained through DDP, but the cockpit is given the module it wraps
@@ -91,11 +97,18 @@ def one_rank(rank, world, architecture, names, sizes, wrap, options, log, reduct
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         X, y = split(X, sizes, rank), split(y, sizes, rank)
         opt.zero_grad()
-        losses = loss_fn(forward(X), y)
-        loss = reduced(losses, reduction)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        parts = list(zip(X.tensor_split(micro), y.tensor_split(micro)))
+        for i, (Xi, yi) in enumerate(parts):
+            last = i == len(parts) - 1
+            with forward.no_sync() if wrap is True and not last else contextlib.nullcontext():
+                losses = loss_fn(forward(Xi), yi)
+                loss = reduced(losses, reduction)
+                info = {"loss": loss, "individual_losses": losses, "batch_size": len(Xi)}
+                info["optimizer"] = opt
+                # the process's gradient is its shard's: each micro-batch weighs by its share
+                share = len(Xi) / len(X) if reduction == "mean" else 1.0
+                with cockpit(step, info=info, micro_batch=i, micro_batches=len(parts)):
+                    (share * loss).backward(create_graph=cockpit.create_graph(step))
         if not wrap:  # what DDP would do
             for p in model.parameters():
                 p.grad = p.grad.detach()
@@ -139,7 +152,7 @@ ECONOMY_AND_CURVATURE = (
 )
 
 # (architecture, quantity names or None for "full", per-process batch sizes, DDP, its options,
-# and the loss's reduction when it is not the mean)
+# the loss's reduction when it is not the mean, and the micro-batches of each process's shard)
 SCENARIOS = {
     2: [
         ("mlp", None, (4, 4), True, {}),
@@ -155,6 +168,8 @@ SCENARIOS = {
         ("mlp", PLAIN_SGD_ONLY, (3, 4), True, {}),
         ("mlp", None, (4, 2), True, {}, "sum"),
         ("cnn", ECONOMY_AND_CURVATURE, (3, 3), True, {}, "sum"),
+        ("mlp", ECONOMY_AND_CURVATURE, (4, 3), True, {}, "mean", 2),
+        ("cnn", ECONOMY_AND_CURVATURE, (4, 4), True, {}, "sum", 2),
     ],
     3: [("mlp", None, (3, 2, 4), True, {})],
 }
