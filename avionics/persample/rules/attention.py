@@ -31,17 +31,15 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from avionics.persample.request import Accumulator, Request
 from avionics.persample.rules.base import output_gradient
-from avionics.persample.rules.bilinear import Bilinear
-from avionics.persample.rules.factored import dense
+from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 from avionics.persample.rules.generic import GenericRule
 from avionics.persample.rules.randomness import draws_in_forward, replayed
 
 _FORWARD = inspect.signature(nn.MultiheadAttention.forward)
 
 
-class AttentionRule(GenericRule):
+class AttentionRule(FactoredWeights, GenericRule):
     def __init__(self, module: nn.MultiheadAttention, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
         self.factors: dict[str, tuple[Tensor, Tensor]] | None = None
@@ -65,36 +63,9 @@ class AttentionRule(GenericRule):
         weight = "in_proj_weight" if name == "in_proj_bias" else "out_proj.weight"
         return self.factors[weight][1].sum(2).flatten(1)
 
-    def materialize(self, start: int, stop: int) -> list[Tensor]:
-        if self.factors is None:
-            return super().materialize(start, stop)
-        return [
-            self._weight_form(name).materialize(start, stop)
-            if name.endswith("weight")
-            else self._bias(name)[start:stop]
-            for name in self.names
-        ]
-
-    def statistics(self, requests: list[Request], directions) -> list[dict]:
-        if self.factors is None:
-            return super().statistics(requests, directions)
-        results = []
-        for k, name in enumerate(self.names):
-            if name.endswith("weight"):
-                results.append(self._weight_form(name).statistics(requests[k], directions[k], k))
-            else:
-                acc = Accumulator(requests[k], {d: dense(v) for d, v in directions[k].items()}, k)
-                acc.add(self._bias(name))
-                results.append(acc.result())
-        return results
-
-    def total(self) -> list[Tensor]:
-        if self.factors is None:
-            return super().total()
-        return [
-            self._weight_form(name).total() if name.endswith("weight") else self._bias(name).sum(0)
-            for name in self.names
-        ]
+    @staticmethod
+    def is_weight(name: str) -> bool:
+        return name.endswith("weight")
 
 
 def covers_attention(module: nn.Module, names: list[str]) -> bool:

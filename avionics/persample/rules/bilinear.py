@@ -260,3 +260,45 @@ def _weak(method: Callable) -> Callable:
     """A bound method that does not keep its object alive."""
     ref = weakref.WeakMethod(method)
     return lambda *args: ref()(*args)
+
+
+class FactoredWeights:
+    """Shared by the rules whose weights are :class:`Bilinear` forms of factors (x, delta)
+    kept per weight in ``self.factors`` and whose biases are per-sample sums of delta: mixed
+    into a :class:`~avionics.persample.rules.base.Rule` subclass that gives
+    ``_weight_form(name)``, ``_bias(name)`` ([N, *bias shape]) and ``is_weight(name)``.
+    Where ``self.factors`` is None (no closed form for these calls), the next class in the
+    method order computes them."""
+
+    factors: dict | None
+
+    def materialize(self, start: int, stop: int) -> list[Tensor]:
+        if self.factors is None:
+            return super().materialize(start, stop)
+        return [
+            self._weight_form(name).materialize(start, stop)
+            if self.is_weight(name)
+            else self._bias(name)[start:stop]
+            for name in self.names
+        ]
+
+    def statistics(self, requests: list[Request], directions) -> list[dict]:
+        if self.factors is None:
+            return super().statistics(requests, directions)
+        results = []
+        for k, name in enumerate(self.names):
+            if self.is_weight(name):
+                results.append(self._weight_form(name).statistics(requests[k], directions[k], k))
+            else:
+                acc = Accumulator(requests[k], {d: dense(v) for d, v in directions[k].items()}, k)
+                acc.add(self._bias(name))
+                results.append(acc.result())
+        return results
+
+    def total(self) -> list[Tensor]:
+        if self.factors is None:
+            return super().total()
+        return [
+            self._weight_form(name).total() if self.is_weight(name) else self._bias(name).sum(0)
+            for name in self.names
+        ]

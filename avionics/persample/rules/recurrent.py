@@ -24,10 +24,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from avionics.persample.request import Accumulator, Request
 from avionics.persample.rules.base import Rule, output_gradient
-from avionics.persample.rules.bilinear import Bilinear
-from avionics.persample.rules.factored import dense
+from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
 # The recurrent modules whose own forward the rule re-runs (subclasses may change it).
 RECURRENT = (nn.RNN, nn.LSTM, nn.GRU)
@@ -40,7 +38,7 @@ def reproducible(module: nn.RNNBase) -> bool:
     return module.proj_size == 0 and not dropout
 
 
-class RecurrentRule(Rule):
+class RecurrentRule(FactoredWeights, Rule):
     def __init__(self, module: nn.RNNBase, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
         # factors[name]: (x [N, 1, T, I], delta [N, 1, T, O]) over the calls, T concatenated
@@ -66,32 +64,9 @@ class RecurrentRule(Rule):
     def _bias(self, name: str) -> Tensor:
         return self.factors["weight" + name[len("bias") :]][1].sum((1, 2))
 
-    def materialize(self, start: int, stop: int) -> list[Tensor]:
-        return [
-            self._weight_form(name).materialize(start, stop)
-            if name.startswith("weight")
-            else self._bias(name)[start:stop]
-            for name in self.names
-        ]
-
-    def statistics(self, requests: list[Request], directions) -> list[dict]:
-        results = []
-        for k, name in enumerate(self.names):
-            if name.startswith("weight"):
-                results.append(self._weight_form(name).statistics(requests[k], directions[k], k))
-            else:
-                acc = Accumulator(requests[k], {d: dense(v) for d, v in directions[k].items()}, k)
-                acc.add(self._bias(name))
-                results.append(acc.result())
-        return results
-
-    def total(self) -> list[Tensor]:
-        return [
-            self._weight_form(name).total()
-            if name.startswith("weight")
-            else self._bias(name).sum(0)
-            for name in self.names
-        ]
+    @staticmethod
+    def is_weight(name: str) -> bool:
+        return name.startswith("weight")
 
 
 def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, Tensor]]:
