@@ -50,26 +50,9 @@ class HFConv1DRule(LinearRule):
         bias = self.x.sum(2).flatten(1)
         return bias if self.delta_scale == 1 else bias * self.delta_scale
 
-    @classmethod
-    def column_sums(cls, module, calls, names, n, traces):
-        """As :meth:`LinearRule.column_sums` (one call on an input [N, in]: only
-        sum_j delta_j^2 is accumulated over the columns), with the weight's sum transposed;
-        else the default, which builds this rule per column."""
-        if len(calls) != 1 or not _separable(calls[0], module, n):
-            return super(LinearRule, cls).column_sums(module, calls, names, n, traces)
-        return TransposedColumnSums(calls[0], names, n, traces)
-
-
-def _separable(call, module: nn.Module, n: int) -> bool:
-    """One call whose input is [N, in] (no shared axes)."""
-    x = call.args[0] if call.args else None
-    return (
-        isinstance(x, Tensor)
-        and len(call.nodes) == 1
-        and x.dim() > call.batch_axis
-        and x.shape[call.batch_axis] == n
-        and x.numel() == n * module.weight.shape[0]
-    )
+    @staticmethod
+    def in_features(module: nn.Module) -> int:
+        return module.weight.shape[0]  # (stored [in, out])
 
 
 class TransposedColumnSums(LinearColumnSums):
@@ -81,3 +64,6 @@ class TransposedColumnSums(LinearColumnSums):
             torch.t(s) if name == "weight" and not self.traces and s is not None else s
             for name, s in zip(self.names, out, strict=True)
         ]
+
+
+HFConv1DRule.column_sums_class = TransposedColumnSums

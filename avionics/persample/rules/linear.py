@@ -39,19 +39,26 @@ class LinearRule(BilinearRule):
         accumulated over the columns, and one product forms the weight's sum (sum_n sum_j
         delta_{n,j}^2 for the bias); its trace is sum_n (sum_j ||delta_{n,j}||^2) ||x_n||^2
         (N (I + O) per column instead of N I O in all). Else the default."""
-        if len(calls) != 1 or not _separable(calls[0], module, n):
+        if len(calls) != 1 or not _separable(calls[0], cls.in_features(module), n):
             return super().column_sums(module, calls, names, n, traces)
-        return LinearColumnSums(calls[0], names, n, traces)
+        return cls.column_sums_class(calls[0], names, n, traces)
+
+    @staticmethod
+    def in_features(module: nn.Module) -> int:
+        return module.in_features
+
+    column_sums_class: type  # LinearColumnSums, set below its definition
 
 
-def _separable(call, module: nn.Linear, n: int) -> bool:
+def _separable(call, in_features: int, n: int) -> bool:
+    """One call whose input is [N, in_features] (no shared axes)."""
     x = call.args[0] if call.args else None
     return (
         isinstance(x, Tensor)
         and len(call.nodes) == 1
         and x.dim() > call.batch_axis
         and x.shape[call.batch_axis] == n
-        and x.numel() == n * module.in_features
+        and x.numel() == n * in_features
     )
 
 
@@ -83,3 +90,6 @@ class LinearColumnSums(ColumnSums):
             else:
                 out.append(torch.mm(sq.t(), x * x))
         return out
+
+
+LinearRule.column_sums_class = LinearColumnSums
