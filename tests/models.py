@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from avionics.persample import PerSampleEngine
+
 
 def _classification_losses(out, y):
     return F.cross_entropy(out, y, reduction="none")
@@ -169,3 +171,29 @@ class NanGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return torch.full_like(grad, float("nan"))
+
+
+def captured_engine_step(model, X, y, loss_fn, reduction="mean"):
+    """One forward and backward captured by the per-sample engine, as the cockpit runs them:
+    (the engine, its step, the mean gradient over the batch, the tracked parameters)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    model.zero_grad()
+    engine = PerSampleEngine(model, params)
+    capture = engine.capture()
+    capture.arm()
+    losses = loss_fn(model(X), y)
+    capture.disarm()
+    loss = losses.mean() if reduction == "mean" else losses.sum()
+    capture.record_gradients()
+    received = [None] * len(params)
+    handles = [
+        p.register_hook(lambda g, k=k: received.__setitem__(k, g)) for k, p in enumerate(params)
+    ]
+    loss.backward()
+    for handle in handles:
+        handle.remove()
+    capture.stop_recording()
+    n = len(losses)
+    step = engine.step(capture.calls_by_module(), n, n if reduction == "mean" else 1, received)
+    mean_grad = [p.grad / (1 if reduction == "mean" else n) for p in params]
+    return engine, step, mean_grad, params

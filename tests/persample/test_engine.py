@@ -10,33 +10,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from avionics.persample import PerSampleEngine, Request
+from avionics.persample import Request
 
 
 def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     """Run one captured forward/backward and return (statistics, brute-force g_n, grads)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    model.zero_grad()
-    engine = PerSampleEngine(model, params)
-    capture = engine.capture()
-    capture.arm()
-    losses = loss_fn(model(X), y)
-    capture.disarm()
-    loss = losses.mean() if reduction == "mean" else losses.sum()
-    capture.record_gradients()
-    received = [None] * len(params)
-    handles = [
-        p.register_hook(lambda g, k=k: received.__setitem__(k, g)) for k, p in enumerate(params)
-    ]
-    loss.backward()
-    for h in handles:
-        h.remove()
-    capture.stop_recording()
-    n = len(losses)
-    scale = n if reduction == "mean" else 1
-    calls = capture.calls_by_module()
-    step = engine.step(calls, n, scale, gradients=received)
-    mean_grad = [p.grad / (1 if reduction == "mean" else n) for p in params]
+    engine, step, mean_grad, params = models.captured_engine_step(model, X, y, loss_fn, reduction)
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
     other = [torch.randn_like(p) for p in params]
     stats = step.statistics(request, {"grad": mean_grad, "other": other})

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from models import per_sample_gradients
+from models import captured_engine_step, per_sample_gradients
 
 from avionics.persample import PerSampleEngine, Request
 from avionics.persample.rules import GenericRule, rule_for
@@ -47,25 +47,7 @@ def squared_error(out, y):
 def captured_statistics(model, x, y, reduction):
     """The engine's sq_norms, sum_sq and projections onto the mean gradient and a random
     direction, from one captured forward and backward."""
-    params = list(model.parameters())
-    engine = PerSampleEngine(model, params)
-    capture = engine.capture()
-    capture.arm()
-    losses = squared_error(model(x), y)
-    capture.disarm()
-    loss = losses.mean() if reduction == "mean" else losses.sum()
-    capture.record_gradients()
-    received = [None] * len(params)
-    handles = [
-        p.register_hook(lambda g, k=k: received.__setitem__(k, g)) for k, p in enumerate(params)
-    ]
-    loss.backward()
-    for handle in handles:
-        handle.remove()
-    capture.stop_recording()
-    n = len(losses)
-    step = engine.step(capture.calls_by_module(), n, n if reduction == "mean" else 1, received)
-    mean_grad = [p.grad / (1 if reduction == "mean" else n) for p in params]
+    _, step, mean_grad, params = captured_engine_step(model, x, y, squared_error, reduction)
     other = [torch.randn_like(p) for p in params]
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
     stats = step.statistics(request, {"grad": mean_grad, "other": other})
