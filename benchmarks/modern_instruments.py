@@ -26,11 +26,11 @@ import warnings
 
 import torch
 
-from avionics import Cockpit, configuration, quantities
+from avionics import configuration, quantities
 from avionics.schedules import linear
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
-from benchmarks.tools import Plain, time_steps
+from benchmarks.tools import Avionics, time_steps
 
 NEW = ["PreconditionedSharpness", "LossOutliers", "UpdateRatio", "ActivationHealth"]
 COMPARED = ["HessMaxEV"]
@@ -47,41 +47,12 @@ CONFIGS = {
 }
 
 
-class _AdamCockpit(Plain):
-    """An Adam step watched by a cockpit with ``make_quantities()``, numbered from ``offset``."""
-
-    def __init__(self, model, loss_fn, make_quantities, offset: int):
-        super().__init__(model, loss_fn, "adam")
-        self.cockpit = Cockpit(model, make_quantities(), first_step=offset)
-        self.offset = offset
-
-    def step(self, k, X, y) -> None:
-        self.opt.zero_grad()
-        losses = self.loss_fn(self.model(X), y)
-        loss = losses.mean()
-        step = self.offset + k
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
-                "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(step, info):
-            loss.backward(create_graph=self.cockpit.create_graph(step))
-        self.opt.step()
-
-    # The capture is armed between tracked steps; the plain copy's steps run without its hook.
-    def pause(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.disarm()
-
-    def resume(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.arm()
-
-
 def time_ratio(problem: str, config: str, steps: int, warmup: int) -> float:
     """Median instrumented / median plain Adam step time."""
     make_quantities, offset = CONFIGS[config]
     tool, plain, _ = time_steps(
         problem,
-        lambda model, loss_fn: _AdamCockpit(model, loss_fn, make_quantities, offset),
+        lambda model, loss_fn: Avionics(model, loss_fn, "adam", make_quantities(), offset),
         "adam",
         steps,
         warmup,

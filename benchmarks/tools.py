@@ -48,20 +48,24 @@ class Plain:
 
 
 class Avionics(Plain):
-    """A step watched by an avionics cockpit with the quantities ``names``."""
+    """A step watched by an avionics cockpit with the quantities ``names`` (names in
+    ``avionics.quantities``, or quantities), its steps numbered from ``first_step``."""
 
-    def __init__(self, model, loss_fn, kind: str, names: list[str]):
+    def __init__(self, model, loss_fn, kind: str, names: list, first_step: int = 0):
         super().__init__(model, loss_fn, kind)
-        self.cockpit = Cockpit(model, [getattr(quantities, q)() for q in names])
+        tracked = [getattr(quantities, q)() if isinstance(q, str) else q for q in names]
+        self.cockpit = Cockpit(model, tracked, first_step=first_step)
+        self.first_step = first_step
 
     def step(self, k, X, y) -> None:
+        step = self.first_step + k
         self.opt.zero_grad()
         losses = self.loss_fn(self.model(X), y)
         loss = losses.mean()
         info = {"loss": loss, "individual_losses": losses, "batch_size": len(X),
                 "optimizer": self.opt}  # fmt: skip
-        with self.cockpit(k, info):
-            loss.backward(create_graph=self.cockpit.create_graph(k))
+        with self.cockpit(step, info):
+            loss.backward(create_graph=self.cockpit.create_graph(step))
         self.opt.step()
 
     # The capture is armed between tracked steps; the plain copy's steps run without its hook.
