@@ -31,9 +31,9 @@ import warnings
 
 import torch
 
-from avionics import Cockpit, configuration
+from avionics import configuration
 from benchmarks.report import machine, table, write_section
-from benchmarks.tools import Avionics, Plain, time_steps
+from benchmarks.tools import Avionics, time_steps
 from tests.real_models import MODELS
 
 PRESETS = ["economy", "business", "full"]
@@ -57,8 +57,7 @@ class Preset(Avionics):
     """A step watched by a cockpit with ``configuration(preset)``."""
 
     def __init__(self, model, loss_fn, preset: str):
-        Plain.__init__(self, model, loss_fn, "sgd")
-        self.cockpit = Cockpit(model, configuration(preset))
+        super().__init__(model, loss_fn, "sgd", configuration(preset))
 
     def variants(self) -> str:
         """The curvature variant of each curvature-diagonal quantity, once chosen (``"-"``
