@@ -1434,8 +1434,15 @@ def _warn_non_finite(values: dict[int, dict[str, Any]]) -> None:
         }
         flags = {}
         if tensors:
-            finite = torch.stack([torch.isfinite(v).all() for v in tensors.values()])
-            flags = dict(zip(tensors, finite.tolist()))
+            # the scalars in one check, each larger tensor in one of its own
+            scalars = [k for k, v in tensors.items() if v.dim() == 0]
+            others = [k for k in tensors if tensors[k].dim() > 0]
+            checks = []
+            if scalars:
+                checks.append(torch.isfinite(torch.stack([tensors[k] for k in scalars])))
+            checks += [torch.isfinite(tensors[k]).all().reshape(1) for k in others]
+            finite = checks[0] if len(checks) == 1 else torch.cat(checks)
+            flags = dict(zip(scalars + others, finite.tolist()))
         for name, value in named.items():
             if isinstance(value, float):
                 flags[name] = math.isfinite(value)
@@ -1492,17 +1499,19 @@ def _tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], l
 
 
 def _reduction(loss: Tensor, losses: Tensor) -> str:
-    """'mean' or 'sum', from how ``loss`` relates to the per-sample ``losses``."""
-    mean, total = losses.mean(), losses.sum()
+    """'mean' or 'sum', from how ``loss`` relates to the per-sample ``losses`` (one host
+    transfer)."""
+    value, total = torch.stack([loss.reshape(()), losses.sum()]).double().tolist()
+    mean = total / len(losses)
     # (16-bit losses of a forward under autocast: to their precision)
     rtol = {torch.float64: 1e-10, torch.float32: 1e-4}.get(loss.dtype, 1e-2)
-    if not torch.isfinite(loss) or torch.isclose(loss, mean, rtol=rtol, atol=rtol * abs(mean)):
+    if not math.isfinite(value) or abs(value - mean) <= 2 * rtol * abs(mean):
         return "mean"
-    if torch.isclose(loss, total, rtol=rtol, atol=rtol * abs(total)):
+    if abs(value - total) <= 2 * rtol * abs(total):
         return "sum"
     raise ValueError(
-        f"info['loss'] = {float(loss):.6g} is neither the mean ({float(mean):.6g}) nor the sum "
-        f"({float(total):.6g}) of info['individual_losses']. Pass the loss you backpropagate "
+        f"info['loss'] = {value:.6g} is neither the mean ({mean:.6g}) nor the sum "
+        f"({total:.6g}) of info['individual_losses']. Pass the loss you backpropagate "
         "and the per-sample losses it is the mean or sum of."
     )
 

@@ -2,9 +2,8 @@
 
 It hooks the one module itself rather than use :class:`avionics.persample.capture.Capture`:
 it differentiates twice w.r.t. the tensor Z and compares its values between two passes, so it
-needs Z itself (a capture keeps only the shapes of outputs), and it must replace a Z that does
-not require grad (the network input) by a differentiable copy in the forward, which a capture,
-which only observes, never does.
+needs Z itself (a capture keeps only the shapes of outputs), and it replaces Z by a leaf in
+the forward where that is exact, which a capture, which only observes, never does.
 """
 
 from __future__ import annotations
@@ -75,7 +74,14 @@ class ActivationHessianOperator(CurvatureLinearOperator):
 
     by reverse-over-reverse differentiation. The forward pass and the first backward
     (d L / dZ, with its graph) are computed once, at construction; a product is one backward
-    through d L / dZ for all columns together (vmap, ``chunk_size`` at a time).
+    through d L / dZ for all columns together (``is_grads_batched``, ``chunk_size`` columns at
+    a time), which runs only the part of the graph between Z and the loss. The layers before
+    Z are constants of the Hessian: a module's output Z is replaced by a leaf in the forward,
+    so their graph is not kept; a module's input Z is the tensor given to it, whose graph is kept
+    (cutting it there would lose its uses outside the module, e.g. a residual connection),
+    unless it does not require grad (the network input): then the module gets a
+    differentiable copy. The network runs on from a copy of Z, so an in-place operation after
+    it (``ReLU(inplace=True)``) leaves Z as it was.
 
     Its space is the samples of one batch on this process, so with torch.distributed
     initialised it is that batch's Hessian, with no communication (``distributed=True`` is
@@ -171,10 +177,12 @@ class ActivationHessianOperator(CurvatureLinearOperator):
 
         def differentiable(values: tuple) -> tuple:
             Z = select(values)
-            if not Z.requires_grad:
+            if self._io == "output" or not Z.requires_grad:  # every later use sees the leaf
                 Z = Z.detach().requires_grad_()
             captured.append(Z)
-            return (*values[: self._index % len(values)], Z,
+            # The network goes on with a copy, which an in-place operation (ReLU(inplace=True))
+            # may overwrite while Z keeps its values.
+            return (*values[: self._index % len(values)], Z.clone(),
                     *values[self._index % len(values) + 1 :])  # fmt: skip
 
         if self._io == "input":
@@ -202,8 +210,8 @@ class ActivationHessianOperator(CurvatureLinearOperator):
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         chunks = M[0].split(self._chunk_size or len(M[0]))  # columns [K, *Z]
-        with MathAttention():
-            return [torch.cat([self._hessian_columns(chunk) for chunk in chunks])]
+        columns = [self._hessian_columns(chunk) for chunk in chunks]
+        return [columns[0] if len(columns) == 1 else torch.cat(columns)]
 
     def _hessian_columns(self, V: Tensor) -> Tensor:
         """d2 L / dZ2 applied to the columns V[k] (leading axis), in one batched backward."""

@@ -113,7 +113,8 @@ class CurvatureLinearOperator:
         return M, is_vector
 
     def _list_to_flat(self, AM: list[Tensor], is_vector: bool) -> Tensor:
-        columns = torch.cat([am.reshape(am.shape[0], -1) for am in AM], dim=1)  # [K, D]
+        flat = [am.reshape(am.shape[0], -1) for am in AM]
+        columns = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)  # [K, D]
         return columns.squeeze(0) if is_vector else columns.T
 
     def _check_list(self, X: Sequence[Tensor]) -> tuple[list[Tensor], bool]:

@@ -131,9 +131,17 @@ class Capture:
     ``record_gradients()`` before the backward; ``release()`` after using the calls.
     """
 
-    def __init__(self, model: nn.Module, modules: list[nn.Module]):
+    def __init__(
+        self,
+        model: nn.Module,
+        modules: list[nn.Module],
+        axes: dict[nn.Module, int] | None = None,
+        owners: list | None = None,
+    ):
         self.root = model
-        self._axes = batch_axes(model)
+        self._axes = batch_axes(model) if axes is None else axes  # (:func:`batch_axes`)
+        # (the model's parameter owners for the broadcast rule, where the engine keeps them)
+        self._owners = owners
         self._watched = set(modules) | {model}
         self.calls: list[ModuleCall] = []
         self._forward_handle: RemovableHandle | None = None
@@ -250,7 +258,7 @@ class Capture:
                     self._gradient_handles.append(
                         grad_fn.register_prehook(_node_storer(store, output_nr))
                     )
-        self._gradient_handles += hook_shared_outputs(self.root, self.calls)
+        self._gradient_handles += hook_shared_outputs(self.root, self.calls, self._owners)
 
     def stop_recording(self) -> None:
         for handle in self._gradient_handles:

@@ -32,9 +32,12 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import Capture, ModuleCall
+from avionics.persample.capture import Capture, ModuleCall, batch_axes
+from avionics.persample.rules.broadcast import parameter_owners
 from avionics.persample.step import CapturedStep
 
+# Patterns of calls whose contributions are kept (a model called in few ways has few).
+MAX_PATTERNS = 64
 # Relative tolerance of the check of summed per-sample gradients against autograd's.
 CHECK_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
 
@@ -63,16 +66,25 @@ class PerSampleEngine:
         ]
         self._warned: set[nn.Module] = set()  # modules already warned about
         self._slow: set[nn.Module] = set()  # modules already reported by warn_slow_path
+        self._watched: list[nn.Module] | None = None  # what capture() watches, found once
+        self._axes: dict[nn.Module, int] = {}  # each module's batch axis (capture.batch_axes)
+        self._owners: list = []  # the broadcast rule's parameter_owners of the model
+        # contributions() by the pattern of calls it was asked for (see _contributions_key)
+        self._contributions: dict[tuple, list] = {}
 
     def capture(self) -> Capture:
         """A capture watching every module that owns a tracked parameter, and its ancestors."""
-        watched = set()
-        for owners in self.owners:
-            for m, _ in owners:
-                while m is not None and m not in watched:
-                    watched.add(m)
-                    m = self._parent.get(m)
-        return Capture(self.model, sorted(watched, key=lambda m: self._names[m]))
+        if self._watched is None:  # (the model's structure is that of the engine's creation)
+            watched = set()
+            for owners in self.owners:
+                for m, _ in owners:
+                    while m is not None and m not in watched:
+                        watched.add(m)
+                        m = self._parent.get(m)
+            self._watched = sorted(watched, key=lambda m: self._names[m])
+            self._axes = batch_axes(self.model)
+            self._owners = parameter_owners(self.model)
+        return Capture(self.model, self._watched, self._axes, self._owners)
 
     def rerouted(self, k: int) -> bool:
         """Whether the gradient check moved parameter k to the root module's generic rule."""
@@ -102,6 +114,17 @@ class PerSampleEngine:
             return shared or call.carries_batch(n)
 
         batched = {m: all(carries(c) for c in cs) for m, cs in calls.items()}
+        # the same modules called with the batch and the same routing give the same pairs
+        key = (tuple((id(m), b) for m, b in batched.items()), frozenset(self._from_root))
+        if key not in self._contributions:
+            if len(self._contributions) >= MAX_PATTERNS:
+                self._contributions.clear()
+            self._contributions[key] = self._pairs(batched)
+        return self._contributions[key]
+
+    def _pairs(self, batched: dict[nn.Module, bool]) -> list[list[tuple[nn.Module, str]]]:
+        """:meth:`contributions` where ``batched[m]`` says whether module m's calls carry the
+        batch."""
         result: list[list[tuple[nn.Module, str]]] = []
         for k, owners in enumerate(self.owners):
             if k in self._from_root:
@@ -233,28 +256,47 @@ class PerSampleEngine:
     def _mismatched(
         self, step: CapturedStep, gradients: list[Tensor | None], skip=frozenset(), rtol=None
     ) -> list[int]:
-        """The parameters (not in ``skip``) whose sum_n g_n differs from their gradient."""
+        """The parameters (not in ``skip``) whose sum_n g_n differs from their gradient.
+
+        The sums come rule by rule (:meth:`CapturedStep.totals`) and each is compared as soon
+        as its parameter's last contribution has arrived: at most one rule's sums and the
+        differences of the parameters still waiting for a contribution are alive at a time,
+        not a model-sized set of sums."""
         mismatched = []
+        factor = step.output_gradient_factor
+        checked = [k for k, g in enumerate(gradients) if g is not None and k not in skip]
         with torch.no_grad():
-            totals = step.totals()
-            factor = step.output_gradient_factor
             # absolute slack relative to the whole gradient: a parameter whose gradient is
             # zero up to rounding (a bias before BatchNorm) must not fail the check
-            total_norm = sum(g.norm() ** 2 for g in gradients if g is not None) ** 0.5 * factor
-            for k, ours in enumerate(totals):
+            total_norm = sum(gradients[k].norm() ** 2 for k in checked) ** 0.5 * factor
+            left = {k: len(step.contributions[k]) for k in checked}
+            pending: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (difference so far, bound)
+
+            def start(k: int) -> tuple[Tensor, Tensor]:
                 actual = gradients[k]
-                if actual is None or k in skip:
-                    continue
                 # one temporary of the parameter's size: the difference is taken in place
                 expected = actual * factor
                 tol = max(CHECK_RTOL.get(actual.dtype, 1e-2), rtol or 0)
                 atol = 100 * torch.finfo(actual.dtype).eps * total_norm
-                bound = tol * expected.norm() + atol
-                for total in ours:
-                    expected -= total
+                return expected, tol * expected.norm() + atol
+
+            for k in [k for k in checked if left[k] == 0]:  # no contribution: g_n = 0
+                expected, bound = start(k)
                 if expected.norm() > bound:
                     mismatched.append(k)
-        return mismatched
+            for k, total in step.totals():
+                if k not in left:
+                    continue
+                if k not in pending:
+                    pending[k] = start(k)
+                expected, bound = pending[k]
+                expected -= total
+                left[k] -= 1
+                if left[k] == 0:
+                    del pending[k]
+                    if expected.norm() > bound:
+                        mismatched.append(k)
+        return sorted(mismatched)
 
     @contextmanager
     def naming(self, module: nn.Module):

@@ -190,17 +190,17 @@ class CapturedStep:
                     per_param[k] = _zero_statistics(params[k], request, directions, self.n, k)
         return _collect(per_param, request)
 
-    def totals(self) -> list[list[Tensor]]:
-        """sum_n g_n of each contribution of each parameter (the gradient check's sums)."""
-        with torch.no_grad():
-            totals = {}
-            for module, rule in self.rules.items():
-                with self.engine.naming(module):
-                    totals[module] = rule.total()
-            return [
-                [totals[module][self.rules[module].names.index(name)] for module, name in pairs]
-                for pairs in self.contributions
-            ]
+    def totals(self):
+        """Yield (k, sum_n g_n of one contribution of parameter k) for every contribution,
+        rule by rule (the gradient check's sums; one rule's sums are made at a time)."""
+        where = {pair: k for k, pairs in enumerate(self.contributions) for pair in pairs}
+        for module, rule in self.rules.items():
+            with torch.no_grad(), self.engine.naming(module):
+                sums = rule.total()
+            for name, total in zip(rule.names, sums, strict=True):
+                if (module, name) in where:
+                    yield where[module, name], total
+            del sums
 
     def mean_gradient_factors(self) -> list[tuple[Tensor, Tensor] | None]:
         """For each parameter, (delta, x) with g = (1/N) sum_m delta_m x_m^T (delta [N, O]

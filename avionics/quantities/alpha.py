@@ -52,7 +52,12 @@ from torch import Tensor
 
 from avionics.persample import Request
 from avionics.persample.rules.factored import FactoredDirection
-from avionics.quantities.base import StepData, TwoStepQuantity, mean_gradient_sq_norm
+from avionics.quantities.base import (
+    StepData,
+    TwoStepQuantity,
+    mean_gradient_norms,
+    mean_gradient_sq_norm,
+)
 from avionics.quantities.plain_sgd import plain_sgd_learning_rate
 
 # Replaces a zero variance in the weights 1 / variance of the fit.
@@ -204,7 +209,10 @@ class _Start:
             if register is not None and data.captured is not None:
                 # check when optimizer.step() starts that it steps on the gradient seen here;
                 # or when it ends, if the block ran inside it (optimizer.step(closure))
-                start._predicted = (_norms(data.grads), data.captured, at_optimizer_step)
+                # (the mean gradient's norms, shared with GradNorm, where p.grad is g)
+                same = data.mean_grad is data.grads
+                norms = mean_gradient_norms(data).double() if same else _norms(data.grads)
+                start._predicted = (norms, data.captured, at_optimizer_step)
                 start._hook = register(start._before_step)
                 start._closure_hook = optimizer.register_step_post_hook(start._after_closure)
         else:

@@ -331,9 +331,10 @@ class TwoStepQuantity(Quantity):
 
 
 def mean_gradient_sq_norm(data: StepData) -> Tensor:
-    """||g||^2 of the mean gradient, float64, computed once per step and shared."""
+    """||g||^2 of the mean gradient, float64, computed once per step and shared: the sum of
+    :func:`mean_gradient_sq_norms`."""
     if "g_sq" not in data.shared:
-        data.shared["g_sq"] = global_norm_squared(data.mean_grad).double()
+        data.shared["g_sq"] = mean_gradient_sq_norms(data).sum()
     return data.shared["g_sq"]
 
 
@@ -341,9 +342,16 @@ def mean_gradient_sq_norms(data: StepData) -> Tensor:
     """[||g^(1)||^2, ..., ||g^(K)||^2] of the mean gradient per tracked parameter, float64,
     computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`)."""
     if "g_sq_per_parameter" not in data.shared:
-        squares = [torch.linalg.vector_norm(g).double().square() for g in data.mean_grad]
-        data.shared["g_sq_per_parameter"] = torch.stack(squares)
+        data.shared["g_sq_per_parameter"] = mean_gradient_norms(data).double().square()
     return data.shared["g_sq_per_parameter"]
+
+
+def mean_gradient_norms(data: StepData) -> Tensor:
+    """[||g^(1)||, ..., ||g^(K)||] of this process's part of the mean gradient, in its dtype,
+    computed once per step (one fused kernel for all parameters) and shared."""
+    if "g_norms" not in data.shared:
+        data.shared["g_norms"] = torch.stack(torch._foreach_norm(data.mean_grad))
+    return data.shared["g_norms"]
 
 
 def per_parameter_rows(tensors: list[Tensor]) -> Tensor:

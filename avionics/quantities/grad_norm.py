@@ -1,7 +1,7 @@
 """GradNorm: ||g^(k)|| per parameter k, g = mean_n g_n the gradient of the mean loss over the
 batch (also for a sum-reduced loss, whose gradient is N g); the global norm is their RSS."""
 
-from avionics.quantities.base import Quantity, StepData, per_parameter_norms
+from avionics.quantities.base import Quantity, StepData, mean_gradient_norms, whole_norms
 from avionics.quantities.outputs import per_parameter
 
 
@@ -13,4 +13,4 @@ class GradNorm(Quantity):
     output = per_parameter("rss")
 
     def compute(self, data: StepData):
-        return {data.step: per_parameter_norms(data.mean_grad, data)}
+        return {data.step: whole_norms(mean_gradient_norms(data), data)}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from curvature_problems import TinyTransformer, problem
@@ -71,6 +74,62 @@ def _from_embedding(model: TinyTransformer, x, y, loss_fn):
     return loss_fn(model.head(x + attended.transpose(1, 2).reshape(N, T, W)).transpose(1, 2), y)
 
 
+@pytest.mark.parametrize(
+    "activation,cut,size", [(("3", "input", 0), 3, 24), (("1", "output", 0), 2, 96)]
+)
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_cnn_activations_against_the_autograd_hessian(activation, cut, size, chunk_size):
+    model, loss_fn, data, _ = problem("cnn")
+    X, y = data[0]
+    A = ActivationHessianOperator(model, loss_fn, activation, [(X, y)], chunk_size=chunk_size)
+    Z = model[:cut](X).detach()
+    expected = hessian(lambda z: loss_fn(model[cut:](z.view_as(Z)), y), Z.flatten())
+    assert A.shape == (Z.numel(), Z.numel()) == (size, size)
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(dense(A), expected)
+
+
+def test_input_used_outside_its_module_counts_every_use():
+    """The norm's input is the embedding output, which the residual connection also uses."""
+    model, loss_fn, data, _ = problem("transformer")
+    X, y = data[0]
+    A = ActivationHessianOperator(model, loss_fn, ("norm", "input", 0), [(X, y)])
+    x = model.embedding(X).detach()
+    with sdpa_kernel(SDPBackend.MATH):
+        expected = hessian(lambda z: _from_embedding(model, z.view_as(x), y, loss_fn), x.flatten())
+    torch.testing.assert_close(dense(A), expected)
+
+
+def test_an_output_activation_keeps_no_graph_of_the_layers_before_it():
+    """The Tanh output, saved by the graph of the last Linear, is freed at construction."""
+    model, loss_fn, data, _ = problem("mlp")
+    tanh_outputs = []
+    handle = model[1].register_forward_hook(
+        lambda module, args, output: tanh_outputs.append(weakref.ref(output))
+    )
+    A = ActivationHessianOperator(model, loss_fn, ("2", "output", 0), [data[0]])
+    handle.remove()
+    gc.collect()
+    assert len(tanh_outputs) == 2  # the forward and the determinism check's
+    assert all(output() is None for output in tanh_outputs)
+    p = model(data[0][0]).softmax(-1).detach()
+    blocks = [torch.diag(p_n) - torch.outer(p_n, p_n) for p_n in p]
+    torch.testing.assert_close(dense(A), torch.block_diag(*blocks) / len(p))
+
+
+@pytest.mark.parametrize("activation", [("0", "output", 0), ("1", "input", 0)])
+def test_an_in_place_operation_after_the_activation_leaves_it_as_it_was(activation):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(inplace=True), nn.Linear(4, 2)).double()
+    X, y = torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,))
+    loss_fn = nn.CrossEntropyLoss()
+    A = ActivationHessianOperator(model, loss_fn, activation, [(X, y)])
+    Z = model[0](X).detach()
+    expected = hessian(lambda z: loss_fn(model[1:](z.view_as(Z).clone()), y), Z.flatten())
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(dense(A), expected)
+
+
 def test_columns_in_chunks_agree_with_single_columns():
     model, loss_fn, data, _ = problem("cnn")
     X, y = data[0]
@@ -106,3 +165,11 @@ def test_errors():
         ActivationHessianOperator(model, loss_fn, ("1", "output", 2), batch)
     with pytest.raises(ValueError, match="requires a single batch, got 3"):
         ActivationHessianOperator(model, loss_fn, ("1", "output", 0), data)
+
+
+def test_the_benchmark_floor_and_curvlinops_agree_with_the_operator():
+    """benchmarks/activation_hessian.py times the three; they must compute the same product."""
+    pytest.importorskip("curvlinops")
+    from benchmarks.activation_hessian import AGREEMENT_RTOL, CHECKED_CASE, check_agreement
+
+    assert check_agreement(CHECKED_CASE) <= AGREEMENT_RTOL

@@ -135,7 +135,7 @@ def batch_first(t: Tensor, axis: int, n: int, where: str) -> Tensor:
             f"{tuple(t.shape)}. Per-sample statistics need every sample on one axis of each "
             "layer's input and output; set `batch_first` on the module if it has that option."
         )
-    return t.movedim(axis, 0)
+    return t if axis == 0 else t.movedim(axis, 0)
 
 
 def concatenate(tensors: list[Tensor], axis: int) -> Tensor:

@@ -24,7 +24,7 @@ from avionics.persample.rules.base import Rule
 _ADDITIONS = {"AddBackward0": (1, "_saved_alpha"), "SubBackward0": (1, "_saved_alpha")}
 
 
-def hook_shared_outputs(root, calls) -> list[RemovableHandle]:
+def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
     """Pre-hooks on the additions that broadcast shared tensors of the last forward of
     ``root`` in ``calls`` into the batch (N, from the root call's input):
 
@@ -37,7 +37,8 @@ def hook_shared_outputs(root, calls) -> list[RemovableHandle]:
       ``shared_parameter_gradients`` (by ``id`` of the parameter).
 
     The consumers are found by one walk of the autograd graph from the root call's outputs,
-    made only when such a tensor exists.
+    made only when such a tensor exists. ``owners``: :func:`parameter_owners` of ``root``
+    where the caller keeps it from step to step (found here otherwise).
     """
     roots = [k for k, call in enumerate(calls) if call.module is root]
     if not roots or not calls[roots[-1]].inputs:
@@ -55,7 +56,8 @@ def hook_shared_outputs(root, calls) -> list[RemovableHandle]:
         for i, node in zip(call.node_outputs, call.nodes, strict=True)
         if not isinstance(node, Tensor)
     }
-    direct = {id(p) for m in _direct_users(root, forward) for p in m.parameters(False)}
+    owners = parameter_owners(root) if owners is None else owners
+    direct = {id(p) for m in _direct_users(root, forward, owners) for p in m.parameters(False)}
     if not shared and not direct:
         return []
     consumers: dict[tuple, list[tuple]] = {}  # edge -> [(node, input position)]
@@ -82,18 +84,37 @@ def hook_shared_outputs(root, calls) -> list[RemovableHandle]:
     return handles
 
 
-def _direct_users(root: nn.Module, forward) -> list[nn.Module]:
+def _direct_users(root: nn.Module, forward, owners) -> list[nn.Module]:
     """Modules whose parameters may be used directly in a forward: those not called in it
-    (their parent uses them), and those the generic rule would handle (their own forward)."""
+    (their parent uses them), and those the generic rule would handle (their own forward).
+    ``owners``: :func:`parameter_owners` of ``root``."""
+    called = {call.module for call in forward} | {root}
+    return [
+        m
+        for m, generic in owners
+        if m not in called or (_generic(m) if generic is None else generic)
+    ]
+
+
+def parameter_owners(root: nn.Module) -> list[tuple[nn.Module, bool | None]]:
+    """(module, whether the generic rule handles it) for each module of ``root`` with
+    parameters of its own; None for a recurrent module, whose rule depends on its train
+    mode (:func:`~avionics.persample.rules.recurrent.reproducible`)."""
+    from avionics.persample.rules.recurrent import RECURRENT
+
+    return [
+        (m, None if type(m) in RECURRENT else _generic(m))
+        for m in root.modules()
+        if next(m.parameters(recurse=False), None) is not None
+    ]
+
+
+def _generic(module: nn.Module) -> bool:
+    """Whether the generic rule handles the parameters of ``module`` (its own forward)."""
     from avionics.persample.rules import GenericRule, rule_for  # (imports this module)
 
-    called = {call.module for call in forward} | {root}
-    users = []
-    for m in root.modules():
-        names = [name for name, _ in m.named_parameters(recurse=False)]
-        if names and (m not in called or rule_for(m, names) is GenericRule):
-            users.append(m)
-    return users
+    names = [name for name, _ in module.named_parameters(recurse=False)]
+    return rule_for(module, names) is GenericRule
 
 
 # Nodes of one input whose backward maps the gradient of a view back to its base; a chain of

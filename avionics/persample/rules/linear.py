@@ -20,17 +20,16 @@ class LinearRule(BilinearRule):
         for call in calls:
             x = batch_first(call.args[0], call.batch_axis, n, "Linear input")
             d = batch_first(output_gradient(call), call.batch_axis, n, "Linear output")
-            xs.append(x.reshape(n, -1, x.shape[-1]))
-            ds.append(d.reshape(n, -1, d.shape[-1]))
-        x, d = concatenate(xs, 1), concatenate(ds, 1)
-        if d.shape[1] > 1 and x.numel() < d.numel():
+            xs.append(x.reshape(n, 1, -1, x.shape[-1]))  # [N, 1 group, T, in]
+            ds.append(d.reshape(n, 1, -1, d.shape[-1]))  # [N, 1 group, T, out]
+        x, d = concatenate(xs, 2), concatenate(ds, 2)
+        if d.shape[2] > 1 and x.numel() < d.numel():
             # with shared axes G_n = sum_t delta_t x_t^T is bilinear: the output-gradient factor
             # goes on the smaller factor (one copy less of the larger); the bias reads delta_scale
             x, self.delta_scale = x * output_gradient_factor, output_gradient_factor
         else:
             d = d * output_gradient_factor
-        self.x = x.unsqueeze(1)  # [N, 1 group, T, in]
-        self.delta = d.unsqueeze(1)  # [N, 1 group, T, out]
+        self.x, self.delta = x, d
 
     @classmethod
     def column_sums(cls, module, calls, names, n, traces):

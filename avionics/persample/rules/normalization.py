@@ -52,10 +52,8 @@ class NormalizationRule(Rule):
         grads = {name: 0 for name in names}
         for call in calls:
             x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
-            d = output_gradient(call)
-            d = (
-                batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
-                * output_gradient_factor
+            d = batch_first(
+                output_gradient(call), call.batch_axis, n, f"{type(module).__name__} output"
             )
             x_hat, lead = _normalized(module, x)
             if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
@@ -64,7 +62,8 @@ class NormalizationRule(Rule):
             for name in names:
                 g = d * x_hat if name == "weight" else d
                 grads[name] = grads[name] + (g.sum(summed) if summed else g)
-        self.grads = [grads[name] for name in names]
+        # the factor on the small sums, not on the output gradient
+        self.grads = [grads[name] * output_gradient_factor for name in names]
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         return [g[start:stop] for g in self.grads]
