@@ -7,11 +7,17 @@ import pytest
 from benchmarks import real_models
 
 
-def test_real_models_quick_prints_every_cell_and_writes_nothing(capsys, monkeypatch):
+def refuse_writing(monkeypatch, benchmark) -> None:
+    """Make ``benchmark``'s write of its BENCHMARKS.md section fail the test."""
+
     def refuse(*args):
         raise AssertionError("a --quick run must not write BENCHMARKS.md")
 
-    monkeypatch.setattr(real_models, "write_section", refuse)
+    monkeypatch.setattr(benchmark, "write_section", refuse)
+
+
+def test_real_models_quick_prints_every_cell_and_writes_nothing(capsys, monkeypatch):
+    refuse_writing(monkeypatch, real_models)
     real_models.main(["--quick"])
     out = capsys.readouterr().out
     rows = re.findall(
@@ -30,3 +36,49 @@ def test_real_models_refuses_an_unknown_model(capsys):
     with pytest.raises(SystemExit):
         real_models.main(["--quick", "--models", "vgg"])
     assert "argument --models: invalid choice: 'vgg'" in capsys.readouterr().err
+
+
+def test_engine_speed_quick_floors_equal_avionics_and_every_row_is_there(capsys, monkeypatch):
+    import torch
+    from torch import nn
+
+    from benchmarks import engine_speed, floors
+
+    refuse_writing(monkeypatch, engine_speed)
+    engine_speed.main(["--quick"])
+    out = capsys.readouterr().out
+    # every floor's gradient tests equal avionics' (float64, two steps) on every tiny model
+    exact = dict(re.findall(r"^\* (tiny-\w+): floors = avionics within (\S+) ", out, re.M))
+    assert set(exact) == set(engine_speed.QUICK)
+    assert all(float(v) <= 1e-8 for v in exact.values()), exact
+    rows = re.findall(r"^\| (tiny [^|]+?) \| [^|]+ \| ([^|]+?) \| ([^|]+?) \|", out, re.M)
+    expected = {"plain", *(f"avionics {r}" for r in engine_speed.AVIONICS),
+                *(f"floor {r}" for r in floors.KINDS), *engine_speed.PEERS}  # fmt: skip
+    for *_, title in engine_speed.QUICK.values():
+        assert {row for t, row, _ in rows if t == title} == expected
+    problem = {title: key for key, (*_, title) in engine_speed.QUICK.items()}
+    for title, row, ratio in rows:
+        # a peer that cannot run the model (tied weights) or is not installed: '-' and why
+        if engine_speed._refused(row, problem[title]):
+            assert ratio.startswith("- (") and len(ratio) > 10, (title, row, ratio)
+        else:
+            assert float(ratio.split("-")[0]) > 0, (title, row, ratio)
+    assert engine_speed._refused("Opacus ghost clipping", "tiny-gpt")
+    # the two per-sample convolution kernels against a loop over samples
+    torch.manual_seed(0)
+    conv = nn.Conv2d(3, 4, 3, stride=2, padding=1, dilation=2).double()
+    x = torch.randn(3, 3, 9, 9, dtype=torch.float64)
+    d = torch.randn_like(conv(x))
+    loop = torch.stack([torch.autograd.grad((conv(x[n : n + 1]) * d[n]).sum(), conv.weight)[0]
+                        for n in range(3)])  # fmt: skip
+    assert torch.allclose(floors._grouped(x, d, conv), loop, rtol=1e-12, atol=1e-12)
+    assert torch.allclose(floors._unfolded(x, d, conv).view_as(loop), loop, rtol=1e-12)
+    with pytest.raises(SystemExit):
+        engine_speed.main(["--quick", "--threads", "0"])
+    assert "argument --threads: got '0'; give positive integers" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="floor='NormTests'; choose one of NormTest, "):
+        floors.Floor(nn.Linear(2, 2), None, "sgd", "NormTests")
+    with pytest.raises(ValueError, match="no kernel for parameter '1.weight' .* freeze it"):
+        floors.Floor(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), None)
+    with pytest.raises(ValueError, match="'0' has groups=2, padding=.1, 1.*"):
+        floors.Floor(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, groups=2)), None)

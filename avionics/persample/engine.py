@@ -36,6 +36,8 @@ from avionics.persample.capture import Capture, ModuleCall, batch_axes
 from avionics.persample.rules.broadcast import parameter_owners
 from avionics.persample.step import CapturedStep
 
+# Elements of one slice of the gradient check's differences (1 MiB in float32).
+CHECK_CHUNK = 2**18
 # Patterns of calls whose contributions are kept (a model called in few ways has few).
 MAX_PATTERNS = 64
 # Relative tolerance of the check of summed per-sample gradients against autograd's.
@@ -259,9 +261,9 @@ class PerSampleEngine:
         """The parameters (not in ``skip``) whose sum_n g_n differs from their gradient.
 
         The sums come rule by rule (:meth:`CapturedStep.totals`) and each is compared as soon
-        as its parameter's last contribution has arrived: at most one rule's sums and the
-        differences of the parameters still waiting for a contribution are alive at a time,
-        not a model-sized set of sums."""
+        as its parameter's last contribution has arrived, a slice at a time: one rule's sums
+        (and the running sums of tied weights still waiting for a contribution) are alive at
+        a time, not a model-sized set of sums and differences."""
         mismatched = []
         factor = step.output_gradient_factor
         checked = [k for k, g in enumerate(gradients) if g is not None and k not in skip]
@@ -270,32 +272,27 @@ class PerSampleEngine:
             # zero up to rounding (a bias before BatchNorm) must not fail the check
             total_norm = sum(gradients[k].norm() ** 2 for k in checked) ** 0.5 * factor
             left = {k: len(step.contributions[k]) for k in checked}
-            pending: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (difference so far, bound)
+            summed: dict[int, Tensor] = {}  # k -> sum of its contributions so far (tied)
 
-            def start(k: int) -> tuple[Tensor, Tensor]:
+            def compare(k: int, total: Tensor | None) -> None:
                 actual = gradients[k]
-                # one temporary of the parameter's size: the difference is taken in place
-                expected = actual * factor
                 tol = max(CHECK_RTOL.get(actual.dtype, 1e-2), rtol or 0)
                 atol = 100 * torch.finfo(actual.dtype).eps * total_norm
-                return expected, tol * expected.norm() + atol
+                if _difference_norm(total, actual, factor) > tol * factor * actual.norm() + atol:
+                    mismatched.append(k)
 
             for k in [k for k in checked if left[k] == 0]:  # no contribution: g_n = 0
-                expected, bound = start(k)
-                if expected.norm() > bound:
-                    mismatched.append(k)
+                compare(k, None)
             for k, total in step.totals():
                 if k not in left:
                     continue
-                if k not in pending:
-                    pending[k] = start(k)
-                expected, bound = pending[k]
-                expected -= total
                 left[k] -= 1
+                if k in summed or left[k] > 0:
+                    total = summed[k].add_(total) if k in summed else total.clone()
+                    summed[k] = total
                 if left[k] == 0:
-                    del pending[k]
-                    if expected.norm() > bound:
-                        mismatched.append(k)
+                    summed.pop(k, None)
+                    compare(k, total)
         return sorted(mismatched)
 
     @contextmanager
@@ -320,6 +317,20 @@ class PerSampleEngine:
         module, name = self.owners[k][0]
         prefix = self._names[module]
         return f"{prefix}.{name}" if prefix else name
+
+
+def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Tensor:
+    """||total - factor * actual|| (total None: zero), a slice at a time: the temporaries
+    are of :data:`CHECK_CHUNK` elements, not of the parameter's size."""
+    total_flat = None if total is None else total.reshape(-1)
+    actual_flat = actual.reshape(-1)
+    square = actual_flat.new_zeros((), dtype=torch.float64)
+    for start in range(0, actual_flat.numel(), CHECK_CHUNK):
+        part = actual_flat[start : start + CHECK_CHUNK] * -factor
+        if total_flat is not None:
+            part += total_flat[start : start + CHECK_CHUNK]
+        square += torch.linalg.vector_norm(part).double().square()
+    return square.sqrt()
 
 
 def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int) -> None:

@@ -1,0 +1,460 @@
+"""Floors: the least exact work the gradient tests and the economy preset add to a step.
+
+A floor is a hand-written training step with no framework around it. Plain module hooks capture
+each parameterised layer call's input x (a forward hook) and the gradient d of the mean loss
+with respect to its output (a tensor hook on the output); after the backward, each parameter's
+per-sample statistics come from the cheapest exact kernel for its layer, chosen by FLOPs.
+
+Notation: b_n is sample n's contribution to ``p.grad`` = G (the gradient of the mean loss), so
+sum_n b_n = G, the per-sample gradient is g_n = N b_n and the mean gradient g = G. Hence
+||g_n||^2 = N^2 ||b_n||^2 and g_n . g = N b_n . G. With T positions shared by a sample (a
+sequence; T = 1 without shared axes):
+
+* Linear weight, b_n = sum_t d_t x_t^T. T = 1: ||b_n||^2 = ||d_n||^2 ||x_n||^2 (N (I + O)),
+  and b_n . G' = sum_m (d_n . d'_m)(x_n . x'_m) for a direction G' = sum_m d'_m x'_m^T whose
+  factors are kept (the Gram form, N N' (I + O)) or d_n^T G' x_n (N O I), the cheaper. T > 1:
+  ||b_n||^2 = sum_{t,s} (d_t . d_s)(x_t . x_s) (N T^2 (I + O)) or b_n materialised (N T O I),
+  the cheaper; projections sum_t d_t^T G' x_t (N T O I) unless b_n is materialised anyway
+  (always, when norms are needed too).
+* Conv2d weight (groups 1): b_n = sum_l d_l u_l^T over the L output positions, u the unfolded
+  input (K = C kh kw rows). Materialised (N O K L) by one grouped convolution (the input as
+  [C, N, H, W], d as N O kernels, groups=N; stride and dilation swap) or by unfold + bmm, the
+  faster in a measurement at the layer's first call; or, where cheaper, norms by the Gram
+  form sum_{l,l'} (d_l . d_l')(u_l . u_l') (N L^2 (K + O)) and projections b_n . v =
+  sum_l d_l^T v u_l by one ordinary convolution of x with v as its weight (N O K L, no
+  per-sample buffer; also for projections alone).
+* Embedding, b_n = sum_t e_t onehot(i_t)^T: ||b_n||^2 from b_n materialised by index_add
+  (N V W; the GPT's tables are small: its position table has T rows, its token table is
+  tied), b_n . G' = sum_t e_t . G'_{i_t} (N T W).
+* LayerNorm: b_n = sum_t d_t * xhat_t (weight) and sum_t d_t (bias), [N, W], materialised.
+* Biases: b_n = sum_t d_t, materialised.
+* A parameter with several uses (the GPT's embedding tied to its head, a layer called twice):
+  the summed b_n of all uses is materialised in chunks of samples (at most ``CHUNK`` values
+  at once), its norms and projections read from it.
+
+Economy's floor is the three tests' floor and what its other instruments minimally need under
+plain SGD: GradNorm, one ``_foreach_norm`` of the gradients; UpdateSize = lr ||g^(k)||;
+Distance, one ``_foreach_sub`` from theta_0 and one ``_foreach_norm``; Loss, the loss read;
+Alpha, the mean and unbiased variance of the losses and of the projections onto the update
+direction s / tau = -g / ||g|| at both of its steps: at step t those are the g_n . g already
+computed, at t + 1 the projections onto the previous step's mean gradient (its factors kept for
+Linear layers without shared axes, a copy of it for every other parameter); the 3 x 3 weighted
+least-squares fit itself is a few microseconds of scalars and is left out; GradHist1d, the
+floor of :mod:`benchmarks.alpha_histograms`: writing N * D float32 values once (``fill_`` of a
+preallocated buffer). All values are read with one host transfer per step.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from benchmarks.tools import Plain
+
+# the most per-sample gradient values a multi-use parameter materialises at once
+CHUNK = 2**22
+LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm)
+
+
+@dataclass
+class Call:
+    """One call of a parameterised layer: its input and the gradient of the mean loss with
+    respect to its output (set by the output's tensor hook during the backward)."""
+
+    module: nn.Module
+    x: Tensor
+    d: Tensor | None = None
+
+
+@dataclass
+class Direction:
+    """A direction v to project the b_n of one parameter on: dense, or, for a Linear weight
+    without shared axes, the factors (x', d') of v = sum_m d'_m x'_m^T (either may be None)."""
+
+    dense: Tensor | None
+    factors: tuple[Tensor, Tensor] | None = None
+
+
+class Capture:
+    """Forward hooks on every layer of ``LAYERS`` in ``model`` recording its calls."""
+
+    def __init__(self, model: nn.Module):
+        covered = {id(p) for m in model.modules() if isinstance(m, LAYERS) for p in m.parameters()}
+        for name, p in model.named_parameters():
+            if p.requires_grad and id(p) not in covered:
+                raise ValueError(
+                    f"The floor has no kernel for parameter {name!r} (shape {tuple(p.shape)}): "
+                    f"only {', '.join(t.__name__ for t in LAYERS)} layers; freeze it or add one."
+                )
+        for name, m in model.named_modules():
+            if isinstance(m, nn.Conv2d) and (
+                m.groups != 1 or isinstance(m.padding, str) or m.padding_mode != "zeros"
+            ):
+                raise ValueError(
+                    f"The floor's Conv2d kernels need groups=1 and zero padding given as "
+                    f"numbers; {name!r} has groups={m.groups}, padding={m.padding!r}, "
+                    f"padding_mode={m.padding_mode!r}."
+                )
+        self.calls: list[Call] = []
+        for module in model.modules():
+            if isinstance(module, LAYERS):
+                module.register_forward_hook(self._record)
+
+    def _record(self, module, inputs, output) -> None:
+        call = Call(module, inputs[0].detach())
+        self.calls.append(call)
+        output.register_hook(lambda d: setattr(call, "d", d.detach()))
+
+
+def _shared(x: Tensor, d: Tensor, width_x: int, width_d: int) -> tuple[Tensor, Tensor]:
+    """x [N, T, I], d [N, T, O]: the positions a sample shares folded into one axis T."""
+    n = x.shape[0]
+    return x.reshape(n, -1, width_x), d.reshape(n, -1, width_d)
+
+
+class _Use:
+    """One use of a parameter (``role`` 'weight' or 'bias' of a layer call): b_n's norms,
+    projections and materialisation by the layer's cheapest exact kernel. Subclasses give
+    ``materialize(lo, hi)``, b_n for samples lo..hi-1, shape [hi - lo, *parameter shape] (a
+    Conv2d weight's may come flattened after the output channel)."""
+
+    def __init__(self, call: Call, role: str):
+        self.call, self.role, self.module = call, role, call.module
+
+    def statistics(self, norms: bool, directions: list[Direction]):
+        """(||b_n||^2 [N] or None, [b_n . v [N] for v in directions]): by default from b_n
+        materialised."""
+        b = self.materialize(0, self.call.x.shape[0]).flatten(1)
+        sq = b.square().sum(1) if norms else None
+        return sq, [b @ v.dense.flatten() for v in directions]
+
+
+class _LinearUse(_Use):
+    """Linear: b_n = sum_t d_t x_t^T (weight), sum_t d_t (bias)."""
+
+    def __init__(self, call, role):
+        super().__init__(call, role)
+        m = self.module
+        self.x, self.d = _shared(call.x, call.d, m.in_features, m.out_features)
+        self.n, self.t = self.x.shape[:2]
+
+    def materialize(self, lo, hi):
+        d = self.d[lo:hi]
+        if self.role == "bias":
+            return d.sum(1)
+        return torch.bmm(d.transpose(1, 2), self.x[lo:hi])
+
+    def statistics(self, norms, directions):
+        t = self.t
+        o, i = self.module.out_features, self.module.in_features
+        if self.role == "bias":
+            return super().statistics(norms, directions)
+        if t == 1:
+            x, d = self.x[:, 0], self.d[:, 0]
+            sq = d.square().sum(1) * x.square().sum(1) if norms else None
+            return sq, [self._project_outer(x, d, v) for v in directions]
+        # per sample: materialising costs T O I, the Gram form T^2 (I + O); projections are
+        # O I once b_n is materialised, T O I (sum_t d_t^T v x_t) without
+        if not norms:
+            return None, [((self.d @ v.dense) * self.x).sum((1, 2)) for v in directions]
+        if directions or o * i <= t * (i + o):
+            return super().statistics(norms, directions)
+        xx = torch.bmm(self.x, self.x.transpose(1, 2))
+        dd = torch.bmm(self.d, self.d.transpose(1, 2))
+        return (xx * dd).sum((1, 2)), []
+
+    @staticmethod
+    def _project_outer(x, d, v: Direction):
+        """b_n . v for b_n = d_n x_n^T: Gram form or d_n^T v x_n, the cheaper by FLOPs."""
+        if v.factors is not None:
+            x_ref, d_ref = v.factors
+            gram = len(x_ref) * (x.shape[1] + d.shape[1])
+            if v.dense is None or gram < x.shape[1] * d.shape[1]:
+                return ((d @ d_ref.T) * (x @ x_ref.T)).sum(1)
+        return ((d @ v.dense) * x).sum(1)
+
+
+class _ConvUse(_Use):
+    """Conv2d with groups 1, zero padding given as numbers."""
+
+    # per module: the faster way to materialise its per-sample weight gradients, and the
+    # kernel its weight's statistics last came from
+    methods: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+    chosen: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+
+    def materialize(self, lo, hi):
+        d = self.call.d[lo:hi]
+        if self.role == "bias":
+            return d.sum((2, 3))
+        x = self.call.x[lo:hi]
+        method = self.methods.get(self.module) or self._measure(x, d)
+        return (_grouped if method == "grouped conv" else _unfolded)(x, d, self.module)
+
+    def _measure(self, x, d) -> str:
+        times = {}
+        for name, kernel in (("grouped conv", _grouped), ("unfold+bmm", _unfolded)):
+            kernel(x, d, self.module)  # warm
+            t0 = time.perf_counter()
+            kernel(x, d, self.module)
+            times[name] = time.perf_counter() - t0
+        self.methods[self.module] = min(times, key=times.get)
+        return self.methods[self.module]
+
+    def statistics(self, norms, directions):
+        m, d = self.module, self.call.d
+        o, l_out = d.shape[1], d.shape[2] * d.shape[3]
+        k = m.in_channels * m.kernel_size[0] * m.kernel_size[1]
+        # per sample: materialising costs O K L, the Gram form L^2 (K + O); a projection
+        # sum_l d_l^T v u_l is one ordinary convolution of x by v (O K L too, no buffer)
+        if self.role == "bias" or (norms and l_out * (k + o) >= o * k):
+            out = super().statistics(norms, directions)
+            if self.role == "weight":
+                self.chosen[m] = self.methods[m]
+            return out
+        kernels = ["Gram"] * norms + ["projection by convolution"] * bool(directions)
+        self.chosen[m] = " + ".join(kernels)
+        projections = [
+            (F.conv2d(self.call.x, v.dense, None, m.stride, m.padding, m.dilation) * d).sum(
+                (1, 2, 3)
+            )
+            for v in directions
+        ]
+        if not norms:
+            return None, projections
+        u = F.unfold(self.call.x, m.kernel_size, m.dilation, m.padding, m.stride)
+        d = d.flatten(2)
+        gram = torch.bmm(u.transpose(1, 2), u) * torch.bmm(d.transpose(1, 2), d)
+        return gram.sum((1, 2)), projections
+
+
+def _grouped(x: Tensor, d: Tensor, conv: nn.Conv2d) -> Tensor:
+    """Per-sample weight gradients [N, O, C, kh, kw] by one grouped convolution: sample n's
+    input channels correlated with its O output gradients (groups = N), stride and dilation
+    swapped; the output cropped to the kernel size."""
+    n, c, o = x.shape[0], x.shape[1], d.shape[1]
+    kh, kw = conv.kernel_size
+    out = F.conv2d(
+        x.transpose(0, 1),
+        d.reshape(n * o, 1, *d.shape[2:]),
+        stride=conv.dilation,
+        padding=conv.padding,
+        dilation=conv.stride,
+        groups=n,
+    )[:, :, :kh, :kw]
+    return out.reshape(c, n, o, kh, kw).permute(1, 2, 0, 3, 4)
+
+
+def _unfolded(x: Tensor, d: Tensor, conv: nn.Conv2d) -> Tensor:
+    """Per-sample weight gradients [N, O, C * kh * kw] by unfold + bmm."""
+    u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
+    return torch.bmm(d.flatten(2), u.transpose(1, 2))
+
+
+class _EmbeddingUse(_Use):
+    """Embedding: b_n = sum_t e_t onehot(i_t)^T, as [V, W] rows."""
+
+    def __init__(self, call, role):
+        super().__init__(call, role)
+        n, w = call.x.shape[0], self.module.embedding_dim
+        self.i, self.e = call.x.reshape(n, -1), call.d.reshape(n, -1, w)
+
+    def materialize(self, lo, hi):
+        i, e = self.i[lo:hi], self.e[lo:hi]
+        (n, _, w), v = e.shape, self.module.num_embeddings
+        rows = (i + v * torch.arange(n, device=i.device)[:, None]).flatten()
+        return e.new_zeros(n * v, w).index_add_(0, rows, e.reshape(-1, w)).view(n, v, w)
+
+    def statistics(self, norms, directions):
+        projections = [(self.e * v.dense[self.i]).sum((1, 2)) for v in directions]
+        return (super().statistics(True, [])[0] if norms else None), projections
+
+
+class _LayerNormUse(_Use):
+    """LayerNorm: b_n = sum_t d_t * xhat_t (weight), sum_t d_t (bias), xhat the input
+    normalised."""
+
+    def materialize(self, lo, hi):
+        m, d = self.module, self.call.d[lo:hi]
+        n = d.shape[0]
+        if self.role == "weight":
+            xhat = F.layer_norm(self.call.x[lo:hi], m.normalized_shape, eps=m.eps)
+            d = d * xhat
+        return d.reshape(n, -1, *m.normalized_shape).sum(1)
+
+
+USES = {nn.Linear: _LinearUse, nn.Conv2d: _ConvUse, nn.Embedding: _EmbeddingUse,
+        nn.LayerNorm: _LayerNormUse}  # fmt: skip
+
+
+def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
+    """Every trainable parameter's uses in the captured calls, in call order."""
+    uses: dict[nn.Parameter, list[_Use]] = {}
+    for call in calls:
+        for role in ("weight", "bias"):
+            p = getattr(call.module, role, None)
+            if isinstance(p, nn.Parameter) and p.requires_grad:
+                uses.setdefault(p, []).append(USES[type(call.module)](call, role))
+    return uses
+
+
+def parameter_statistics(
+    p: nn.Parameter, uses: list[_Use], norms: bool, directions: list[Direction]
+):
+    """(||b_n||^2 or None, [b_n . v]) of parameter ``p``: from its single use's kernel, or
+    from the sum over its uses materialised in chunks of samples."""
+    if len(uses) == 1:
+        return uses[0].statistics(norms, directions)
+    n = uses[0].call.x.shape[0]
+    step = max(1, CHUNK // p.numel())
+    sq, projections = [], [[] for _ in directions]
+    for lo in range(0, n, step):
+        hi = min(n, lo + step)
+        b = sum(use.materialize(lo, hi).flatten(1) for use in uses)
+        sq.append(b.square().sum(1))
+        for out, v in zip(projections, directions):
+            out.append(b @ v.dense.flatten())
+    return (torch.cat(sq) if norms else None), [torch.cat(p) for p in projections]
+
+
+def gradient_tests(sq_sum: Tensor | None, proj: Tensor | None, g_sq: Tensor, n: int):
+    """NormTest, InnerTest, OrthoTest (SPEC section 2; the ones the inputs allow) from
+    sum_n ||g_n||^2, the [N] projections g_n . g and ||g||^2, in float64."""
+    out = {}
+    scale = (n - 1) * n * g_sq
+    if sq_sum is not None:
+        out["NormTest"] = ((sq_sum - n * g_sq) / scale).clamp(min=0).sqrt()
+    if proj is not None:
+        out["InnerTest"] = ((proj - g_sq).square().sum() / (scale * g_sq)).sqrt()
+    if sq_sum is not None and proj is not None:
+        out["OrthoTest"] = ((sq_sum - proj.square().sum() / g_sq) / scale).clamp(min=0).sqrt()
+    return out
+
+
+# floor -> (needs the norms, needs the projections onto g, is economy)
+KINDS = {
+    "NormTest": (True, False, False),
+    "InnerTest": (False, True, False),
+    "OrthoTest": (True, True, False),
+    "three tests": (True, True, False),
+    "economy": (True, True, True),
+}
+
+
+class Floor(Plain):
+    """A plain SGD step plus the floor ``kind`` (a key of ``KINDS``); ``values[k]`` holds
+    step k's values (floats): the gradient tests, and for economy GradNorm, Distance,
+    UpdateSize (of the previous step) and Alpha's observations."""
+
+    def __init__(self, model, loss_fn, kind: str = "sgd", floor: str = "three tests"):
+        if kind != "sgd":
+            raise ValueError(f"Floor needs plain SGD (kind='sgd'), got kind={kind!r}.")
+        if floor not in KINDS:
+            raise ValueError(f"Unknown floor={floor!r}; choose one of {', '.join(KINDS)}.")
+        super().__init__(model, loss_fn, kind)
+        self.norms, self.project, self.economy = KINDS[floor]
+        self.capture = Capture(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.values: dict[int, dict] = {}
+        self._previous: dict[nn.Parameter, Direction] = {}
+        self._previous_norm: Tensor | None = None
+        self._theta0: list[Tensor] | None = None
+        self._buffer: Tensor | None = None
+
+    def kernels(self) -> dict[str, str]:
+        """{convolution's name: the kernel its weight's statistics came from last}."""
+        chosen = _ConvUse.chosen
+        return {name: chosen[m] for name, m in self.model.named_modules() if m in chosen}
+
+    def step(self, k, X, y) -> None:
+        self.opt.zero_grad()
+        self.capture.calls = []
+        losses = self.loss_fn(self.model(X), y)
+        loss = losses.mean()
+        loss.backward()
+        values = self._statistics(len(X), loss, losses.detach())
+        self.capture.calls = []
+        self.opt.step()
+        self.values[k] = values
+
+    def _statistics(self, n: int, loss: Tensor, losses: Tensor) -> dict:
+        uses = _uses(self.capture.calls)
+        grads = [p.grad for p in self.params]
+        norms = torch._foreach_norm(grads)
+        g_sq = torch.stack(norms).double().square().sum()
+        sq_sum = torch.zeros((), dtype=torch.float64) if self.norms else None
+        proj = torch.zeros(n, dtype=torch.float64) if self.project else None
+        previous = torch.zeros(n, dtype=torch.float64)
+        kept = {}
+        for p in self.params:
+            directions = [_mean_direction(p, uses[p])] if self.project else []
+            if self.economy and p in self._previous:
+                directions.append(self._previous[p])
+            sq, projections = parameter_statistics(p, uses[p], self.norms, directions)
+            if sq is not None:
+                sq_sum += sq.double().sum() * n * n
+            if self.project:
+                proj += projections[0].double() * n
+            if self.economy:
+                if p in self._previous:
+                    previous += projections[1].double() * n
+                kept[p] = _kept_direction(p, uses[p])
+        scalars = gradient_tests(sq_sum, proj, g_sq, n)
+        if self.economy:
+            scalars.update(self._economy(n, loss, losses, norms, g_sq, proj, previous))
+            self._previous = kept
+        names = list(scalars)
+        flat = torch.cat([scalars[q].double().reshape(-1) for q in names]).tolist()
+        values, at = {}, 0
+        for q in names:
+            size = scalars[q].numel()
+            values[q] = flat[at] if scalars[q].dim() == 0 else flat[at : at + size]
+            at += size
+        return values
+
+    def _economy(self, n, loss, losses, norms, g_sq, proj, previous) -> dict:
+        """GradNorm, UpdateSize, Distance, Loss, Alpha's observations, the histogram floor."""
+        if self._theta0 is None:
+            self._theta0 = [p.detach().clone() for p in self.params]
+            count = n * sum(p.numel() for p in self.params)
+            self._buffer = torch.empty(count, dtype=torch.float32)
+        self._buffer.fill_(1.0)  # GradHist1d's floor: N * D values written once
+        grad_norm = torch.stack(norms)
+        moved = torch._foreach_sub([p.detach() for p in self.params], self._theta0)
+        distance = torch.stack(torch._foreach_norm(moved))
+        lr = self.opt.param_groups[0]["lr"]
+        g_norm = g_sq.sqrt()
+        # (g_n . s) / tau with s = -lr g: -(g_n . g) / ||g||; at t+1 onto the previous s
+        slope = -proj / g_norm
+        out = {"Loss": loss.detach(), "GradNorm": grad_norm, "UpdateSize": lr * grad_norm,
+               "Distance": distance, "losses_var": losses.var(), "df0": slope.mean(),
+               "df0_var": slope.var()}  # fmt: skip
+        if self._previous:
+            end = -previous / self._previous_norm
+            out.update(df1=end.mean(), df1_var=end.var())
+        self._previous_norm = g_norm
+        return out
+
+
+def _mean_direction(p: nn.Parameter, uses: list[_Use]) -> Direction:
+    """G = p.grad, with its factors where p is the weight of one Linear call without shared
+    axes (G = sum_m d_m x_m^T)."""
+    return Direction(p.grad, _factors(uses))
+
+
+def _kept_direction(p: nn.Parameter, uses: list[_Use]) -> Direction:
+    """What is kept of this step's mean gradient for the next step's projections: its factors
+    where they exist, else a copy of it."""
+    factors = _factors(uses)
+    return Direction(None if factors else p.grad.detach().clone(), factors)
+
+
+def _factors(uses: list[_Use]) -> tuple[Tensor, Tensor] | None:
+    if len(uses) == 1 and isinstance(uses[0], _LinearUse) and uses[0].role == "weight":
+        if uses[0].t == 1:
+            return uses[0].x[:, 0], uses[0].d[:, 0]
+    return None
