@@ -157,8 +157,8 @@ class CapturedStep:
                 # factored directions reach the bilinear rules only (dense for the others)
                 keep = _unchanged if isinstance(rule, BilinearRule) else dense
                 requests, dirs, indices = [], [], []
-                for name in rule.names:
-                    k = self.engine.index[id(rule.module.get_parameter(name))]
+                for p in rule.params:  # (the parameters of rule.names)
+                    k = self.engine.index[id(p)]
                     if len(contributions[k]) == 1:
                         requests.append(request)
                         dirs.append({d: keep(directions[d][k]) for d in request.directions})
