@@ -13,12 +13,17 @@ with t over the shared axes (sequence positions, spatial locations). Then
     sum_n G_n^2  = sum_n (delta_n^2)(x_n^2)^T                         (T = 1 only)
 
 for the mean gradient g = mean_m G_m, and materialising G_n costs N G T I O.
-:meth:`Bilinear.statistics` picks the cheapest path.
+:meth:`Bilinear.statistics` picks the path: without shared axes (T = 1) the closed forms; with
+them the plan chosen for the request among materialising G_n (by any of the layer's gradient
+kernels) and the Gram form with projections (by any of its projection kernels), measured on
+the step's own tensors where the layer offers kernels of its own (:mod:`kernels`), else by
+FLOPs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -29,6 +34,13 @@ from torch import Tensor
 from avionics.persample.request import MEAN_GRADIENT, Accumulator, OuterProducts, Request
 from avionics.persample.rules.base import Rule, chunk_size
 from avionics.persample.rules.factored import FactoredDirection, dense
+from avionics.persample.rules.kernels import LayerKernels, Plan, choose, timing_samples
+
+# The kernels every bilinear form has: G_n as the einsum of delta and the (unfolded) input,
+# G_n . V by mapping V onto the smaller side; and the prefix of the plans that materialise G_n.
+UNFOLDED_GRADIENTS = "unfold + bmm"
+UNFOLDED_PROJECTIONS = "the unfolded input"
+_BY = "G_n by "
 
 
 class Bilinear:
@@ -36,6 +48,9 @@ class Bilinear:
 
     ``inputs(start, stop)`` gives x of those samples, [stop - start, G, T, I]: a convolution
     unfolds its input only a chunk of samples at a time when the gradients are materialised.
+    ``kernels``: the layer's own ways to form G_n and G_n . V besides the unfolded ones, and
+    the key under which :mod:`kernels` keeps the measured choice between them (None: the
+    unfolded forms, chosen by FLOPs).
     """
 
     def __init__(
@@ -43,18 +58,32 @@ class Bilinear:
         inputs: Callable[[int, int], Tensor],
         delta: Tensor,
         weight_shape,
-        project: Callable[[Tensor], Tensor] | None = None,
-        gradients: Callable[[int, int], Tensor] | None = None,
+        kernels: LayerKernels | None = None,
     ):
         self.inputs, self.delta, self.weight_shape = inputs, delta, weight_shape
-        self.project = project  # G_n . V for V shaped like the weight, if the layer has its own
-        # G_n of samples start..stop-1 shaped like the weight, where the layer has a faster way
-        # than unfolding (None otherwise)
-        self.gradients = gradients
+        self.kernels = kernels
         self.n, self.groups, self.t, self.o = delta.shape
         self.i = math.prod(weight_shape) // (self.groups * self.o)
         self._x: Tensor | None = None
         self._gram_matrix: Tensor | None = None
+
+    @property
+    def gradient_kernels(self) -> dict[str, Callable[[int, int], Tensor]]:
+        """G_n of samples start..stop-1 shaped like the weight, by name, the prior first
+        (built on each use: the Bilinear keeps no bound method of itself, no cycle)."""
+        own = {UNFOLDED_GRADIENTS: self._unfolded_gradients}
+        if self.kernels is None:
+            return own
+        return _prior_first({**own, **self.kernels.gradients}, self.kernels.prior_gradients)
+
+    @property
+    def projection_kernels(self) -> dict[str, Callable[..., Tensor]]:
+        """G_n . V of samples start..stop-1 (all without a range) for V shaped like the
+        weight, by name, the prior first."""
+        own = {UNFOLDED_PROJECTIONS: self._unfolded_projection}
+        if self.kernels is None:
+            return own
+        return _prior_first({**own, **self.kernels.projections}, self.kernels.prior_projections)
 
     @property
     def x(self) -> Tensor:
@@ -63,68 +92,158 @@ class Bilinear:
             self._x = self.inputs(0, self.n)
         return self._x
 
+    def _inputs(self, start: int, stop: int) -> Tensor:
+        return self._x[start:stop] if self._x is not None else self.inputs(start, stop)
+
     def materialize(self, start: int, stop: int) -> Tensor:
-        if self.gradients is not None:
-            return self.gradients(start, stop)
-        x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
-        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], x)
+        name = self._choose(Request(), {}, self._materialised_plans(Request(), {}, 0))
+        return self.gradient_kernels[name.removeprefix(_BY)](start, stop)
+
+    def _unfolded_gradients(self, start: int, stop: int) -> Tensor:
+        """G_n = sum_t delta_t x_t^T of samples start..stop-1 from x (unfolded by chunk)."""
+        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], self._inputs(start, stop))
         return g.reshape(stop - start, *self.weight_shape)
 
-    def _uses_gram(self) -> bool:
-        gram = self.t * self.t * (self.i + self.o)
-        return gram < self.t * self.i * self.o
-
     def statistics(self, request: Request, directions: dict[str, Tensor], index: int) -> dict:
-        if request.visitors and self.t == 1 and self.groups == 1:
+        if self.t > 1:
+            return self._shared_axes_statistics(request, directions, index)
+        if request.visitors and self.groups == 1:
             # the visitors take g_n = delta_n x_n^T unmultiplied; the rest has closed forms
             outer = OuterProducts(self.delta[:, 0, 0], self.x[:, 0, 0])
             for visit in request.visitors:
                 visit(index, outer)
             request = dataclasses.replace(request, visitors=())
-        materialize = bool(request.visitors) or (request.sum_sq and self.t > 1)
-        materialize |= request.sq_norms and self.t > 1 and not self._uses_gram()
-        # with shared axes (T > 1) each projection costs N T I O, while materialising G_n
-        # costs N T I O once and N I O per direction: cheaper from two directions on (the
-        # convolutions' own projections are kept: they need no unfolded input)
-        materialize |= self.t > 1 and self.project is None and len(directions) >= 2
-        if materialize:
+        if request.visitors:
             acc = Accumulator(request, {k: dense(v) for k, v in directions.items()}, index)
-            step = self._step()
-            for start in range(0, self.n, step):
-                acc.add(self.materialize(start, min(self.n, start + step)))
+            for start, stop in self._ranges(0, self.n):
+                acc.add(self._unfolded_gradients(start, stop))
             return acc.result()
         d = self.delta
         out: dict = {}
         if request.sq_norms:
-            x = self.x  # (unfolded only where a closed form needs it whole)
-            if self.t == 1 and MEAN_GRADIENT in directions and self._mean_projection_by_gram():
+            if MEAN_GRADIENT in directions and self._mean_projection_by_gram():
                 out["sq_norms"] = self._gram().diagonal()
-            elif self.t == 1:
-                d_sq = torch.linalg.vector_norm(d, dim=-1).square()
-                x_sq = torch.linalg.vector_norm(x, dim=-1).square()
-                out["sq_norms"] = (d_sq * x_sq).sum((1, 2))
             else:
-                dd = torch.einsum("ngto,ngso->ngts", d, d)
-                xx = torch.einsum("ngti,ngsi->ngts", x, x)
-                out["sq_norms"] = (dd * xx).sum((1, 2, 3))
+                d_sq = torch.linalg.vector_norm(d, dim=-1).square()
+                x_sq = torch.linalg.vector_norm(self.x, dim=-1).square()
+                out["sq_norms"] = (d_sq * x_sq).sum((1, 2))
         if directions:
             out["projections"] = {}
             for name, v in directions.items():
                 if isinstance(v, FactoredDirection):
-                    if self.t == 1 and self.groups == 1:
+                    if self.groups == 1:
                         out["projections"][name] = v.project(d[:, 0, 0], self.x[:, 0, 0])
                         continue
                     v = v.dense()
                 if name == MEAN_GRADIENT and self._mean_projection_by_gram():
                     out["projections"][name] = self._gram().mean(1)
-                elif self.project is not None:
-                    out["projections"][name] = self.project(v.reshape(self.weight_shape))
                 else:
-                    v = v.reshape(self.groups, self.o, self.i)
-                    out["projections"][name] = self._projection(v)
-        if request.sum_sq:  # t == 1 here
+                    out["projections"][name] = self._unfolded_projection(v)
+        if request.sum_sq:
             s = torch.einsum("ngo,ngi->goi", d[:, :, 0].pow(2), self.x[:, :, 0].pow(2))
             out["sum_sq"] = s.reshape(self.weight_shape)
+        return out
+
+    def _shared_axes_statistics(self, request: Request, directions, index: int) -> dict:
+        """With shared axes (T > 1): the statistics by the plan chosen for the request (see
+        :meth:`_plans`), either from materialised G_n or by the closed forms."""
+        directions = {k: dense(v) for k, v in directions.items()}
+        plans = self._plans(request, directions, index)
+        if request.visitors:  # timed without them: they must see each sample once
+            quiet = self._materialised_plans(
+                dataclasses.replace(request, visitors=()), directions, index
+            )
+            name = self._choose(request, directions, quiet)
+        else:
+            name = self._choose(request, directions, plans)
+        return plans[name].run(0, self.n)
+
+    def _plans(self, request: Request, directions, index: int) -> dict[str, Plan]:
+        """The exact ways to answer ``request`` with directions ``directions``, by name.
+
+        Materialising G_n costs G T I O per sample (by any of the gradient kernels), the
+        Gram form of ||G_n||^2 G T^2 (I + O) and each projection G_n . V G T I O (by any of the
+        projection kernels); sum_n G_n^2 and the visitors need G_n materialised.
+        """
+        plans = self._materialised_plans(request, directions, index)
+        if request.sum_sq or request.visitors:
+            return plans
+        g, t, i, o = self.groups, self.t, self.i, self.o
+        gram = g * t * t * (i + o) if request.sq_norms else 0
+        kernels = self.projection_kernels if directions else {"": None}
+        for kernel in kernels:
+            name = ", ".join(
+                ["Gram form"] * request.sq_norms + [f"projections by {kernel}"] * bool(directions)
+            )
+            plans[name] = Plan(
+                gram + len(directions) * g * t * i * o,
+                functools.partial(self._closed_forms, request, directions, kernel),
+            )
+        return plans
+
+    def _materialised_plans(self, request: Request, directions, index: int) -> dict[str, Plan]:
+        per_sample = self.groups * self.i * self.o
+        reductions = (request.sq_norms + request.sum_sq + len(directions)) * per_sample
+        return {
+            _BY + kernel: Plan(
+                self.t * per_sample + reductions,
+                functools.partial(self._materialised, request, directions, index, kernel),
+            )
+            for kernel in self.gradient_kernels
+        }
+
+    def _prior(self, request: Request, directions, plans: dict[str, Plan]) -> str:
+        """The plan taken unmeasured: by FLOPs between materialising and the closed forms
+        (materialising from two directions on without the layer's own projections), each by
+        the layer's prior kernels."""
+        closed = [name for name in plans if not name.startswith(_BY)]
+        own_projection = next(iter(self.projection_kernels)) != UNFOLDED_PROJECTIONS
+        if not closed or (request.sq_norms and not self._uses_gram()):
+            return next(iter(plans))
+        if len(directions) >= 2 and not own_projection:
+            return next(iter(plans))
+        return closed[0]
+
+    def _choose(self, request: Request, directions, plans: dict[str, Plan]) -> str:
+        prior = self._prior(request, directions, plans)
+        if self.kernels is None:
+            return prior
+        kind = (request.sq_norms, request.sum_sq, bool(request.visitors), len(directions))
+        asked = _describe_request(request, len(directions))
+        return choose(
+            (*self.kernels.key, kind),
+            plans,
+            self.n,
+            timing_samples(self.n, self.groups * self.t * self.i * self.o),
+            prior,
+            lambda: f"{self.kernels.describe()}, {asked}",
+            self.delta.device,
+        )
+
+    def _materialised(self, request, directions, index: int, kernel: str, start, stop) -> dict:
+        """The statistics of samples start..stop-1 from their G_n, formed by ``kernel`` a
+        chunk of samples at a time."""
+        acc, gradients = Accumulator(request, directions, index), self.gradient_kernels[kernel]
+        for a, b in self._ranges(start, stop):
+            acc.add(gradients(a, b))
+        return acc.result()
+
+    def _closed_forms(self, request, directions, kernel: str, start: int, stop: int) -> dict:
+        """||G_n||^2 by the Gram form and G_n . V by ``kernel``, for samples start..stop-1."""
+        out: dict = {}
+        if request.sq_norms:
+            x = self.x if (start, stop) == (0, self.n) else self._inputs(start, stop)
+            d = self.delta[start:stop]
+            dd = torch.einsum("ngto,ngso->ngts", d, d)
+            xx = torch.einsum("ngti,ngsi->ngts", x, x)
+            out["sq_norms"] = (dd * xx).sum((1, 2, 3))
+        if directions:
+            project = self.projection_kernels[kernel]
+            ranged = (start, stop) != (0, self.n)  # (a kernel projects all samples by default)
+            out["projections"] = {
+                name: project(v.reshape(self.weight_shape), *((start, stop) * ranged))
+                for name, v in directions.items()
+            }
         return out
 
     def _mean_projection_by_gram(self) -> bool:
@@ -143,11 +262,13 @@ class Bilinear:
             self._gram_matrix = (dd * xx).sum(0)
         return self._gram_matrix
 
-    def _projection(self, v: Tensor) -> Tensor:
-        """G_n . V = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t}), V mapped onto the smaller side,
-        over chunks of samples."""
+    def _unfolded_projection(self, v: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        """G_n . V = sum_{g,t} delta_{n,g,t} . (V_g x_{n,g,t}) of samples start..stop-1 (all
+        by default) for V shaped like the weight, V mapped onto the smaller side, over chunks
+        of samples."""
+        v = v.reshape(self.groups, self.o, self.i)
         parts = []
-        for delta, x in self._sample_chunks(self.i + min(self.i, self.o)):
+        for delta, x in self._sample_chunks(self.i + min(self.i, self.o), start, stop):
             if self.t > 1 and x.transpose(2, 3).is_contiguous():
                 # unfolded convolution inputs hold the positions last in memory: contract in
                 # that layout, [n, g, i or o, t], not through the transposed views
@@ -174,21 +295,43 @@ class Bilinear:
             total = part if total is None else total.add_(part)
         return total.reshape(self.weight_shape)
 
-    def _sample_chunks(self, per_position: int):
-        """(delta, x) of consecutive chunks of samples, each chunk's temporaries of
-        ``per_position`` elements per group and position within the chunk budget; x is
-        unfolded one chunk at a time (unless it is already whole)."""
+    def _sample_chunks(self, per_position: int, start: int = 0, stop: int | None = None):
+        """(delta, x) of consecutive chunks of samples start..stop-1 (all by default), each
+        chunk's temporaries of ``per_position`` elements per group and position within the
+        chunk budget; x is unfolded one chunk at a time (unless it is already whole)."""
         per_sample = self.groups * self.t * per_position
         step = chunk_size(self.n, per_sample, self.delta.element_size())
-        for start in range(0, self.n, step):
-            stop = min(self.n, start + step)
-            x = self._x[start:stop] if self._x is not None else self.inputs(start, stop)
-            yield self.delta[start:stop], x
+        for a, b in _runs(start, self.n if stop is None else stop, step):
+            yield self.delta[a:b], self._inputs(a, b)
 
-    def _step(self) -> int:
-        """Samples per chunk: their gradients and inputs fit the chunk budget."""
+    def _ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """Chunks of samples start..stop-1 whose gradients and inputs fit the chunk budget."""
         per_sample = self.groups * (self.i * self.o + self.t * self.i)
-        return chunk_size(self.n, per_sample, self.delta.element_size())
+        return _runs(start, stop, chunk_size(self.n, per_sample, self.delta.element_size()))
+
+    def _uses_gram(self) -> bool:
+        """Whether ||G_n||^2 by the Gram form takes fewer FLOPs than materialising G_n."""
+        return self.t * self.t * (self.i + self.o) < self.t * self.i * self.o
+
+
+def _runs(start: int, stop: int, step: int):
+    """(a, b) of consecutive runs of at most ``step`` samples covering start..stop-1."""
+    return [(a, min(stop, a + step)) for a in range(start, stop, step)]
+
+
+def _prior_first(kernels: dict, prior: str) -> dict:
+    """``kernels`` with ``prior`` first."""
+    return {prior: kernels[prior], **kernels}
+
+
+def _describe_request(request: Request, directions: int) -> str:
+    """'squared norms and 1 projection', for the log of a measured choice."""
+    asked = ["squared norms"] * request.sq_norms + ["sums of squares"] * request.sum_sq
+    if directions:
+        asked.append(f"{directions} projection{'s' * (directions > 1)}")
+    if request.visitors:
+        asked.append("materialised gradients")
+    return " and ".join(asked) or "per-sample gradients"
 
 
 class BilinearRule(Rule):
@@ -214,18 +357,22 @@ class BilinearRule(Rule):
             # the Bilinear calls back into the rule through weak references: a cycle rule ->
             # Bilinear -> rule would keep the step's captured tensors alive after the step,
             # until the garbage collector happens to run
-            project = None if self.projection is None else _weak(self.projection)
-            gradients = None if self.gradients is None else _weak(self.gradients)
+            kernels = self.kernels()
+            if kernels is not None:
+                kernels = dataclasses.replace(
+                    kernels,
+                    gradients={k: _weak(f) for k, f in kernels.gradients.items()},
+                    projections={k: _weak(f) for k, f in kernels.projections.items()},
+                    describe=_weak(kernels.describe),
+                )
             self._bilinear = Bilinear(
-                _weak(self.inputs), self.delta, self.module.weight.shape, project, gradients
+                _weak(self.inputs), self.delta, self.module.weight.shape, kernels
             )
         return self._bilinear
 
-    # G_n . V computed by the layer itself (no unfolding), or None for the generic einsum
-    projection: Callable[[Tensor], Tensor] | None = None
-    # G_n of samples start..stop-1 by the layer itself where it has a faster way than
-    # unfolding, or None
-    gradients: Callable[[int, int], Tensor] | None = None
+    def kernels(self) -> LayerKernels | None:
+        """The layer's own ways to form G_n and G_n . V besides the unfolded ones, or None."""
+        return None
 
     def _bias(self) -> Tensor:
         bias = self.delta.sum(2).flatten(1)

@@ -10,18 +10,26 @@ the same columns for any number of spatial dimensions.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from avionics.persample.rules.base import ColumnSums, batch_first, concatenate, output_gradient
-from avionics.persample.rules.bilinear import BilinearRule
+from avionics.persample.rules.bilinear import (
+    UNFOLDED_GRADIENTS,
+    UNFOLDED_PROJECTIONS,
+    BilinearRule,
+)
+from avionics.persample.rules.kernels import LayerKernels
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-# Fewest input channels of a 2d convolution for which its own kernels beat unfolding (the
-# measurements: BENCHMARKS.md, "Measurements behind the engine's choices").
+# The layer's own kernels (see ConvRule.kernels).
+GROUPED = "grouped convolution"
+WINDOWS = "windows of the flat input"
+CONVOLUTION = "the layer's convolution"
+# Fewest input channels of a 2d convolution for which its own kernels beat unfolding, taken
+# where the choice is not measured (BENCHMARKS.md, "Measurements behind the engine's choices").
 _WIDE_CHANNELS = 8
 # Bytes of pending column gradients a convolution may hold before they are reduced, and of
 # one chunk of per-sample, per-column convolution gradients (kept small: it stays in cache).
@@ -29,14 +37,25 @@ CONV_PENDING_BYTES = 64 * 2**20
 CONV_CHUNK_BYTES = 2 * 2**20
 
 
+def _padded(module: nn.modules.conv._ConvNd, x: Tensor) -> tuple[Tensor, tuple | int]:
+    """(x, padding): x padded here where the layer's padding is not plain zeros on both
+    sides (padding modes, "same", "valid"), with padding 0 left to the kernel; else x and the
+    layer's padding."""
+    if module.padding_mode == "zeros" and not isinstance(module.padding, str):
+        return x, module.padding
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, module._reversed_padding_repeated_twice, mode=mode), 0
+
+
+def _shape(t: Tensor) -> str:
+    """'[N, 3, 32, 32]'."""
+    return "[" + ", ".join(["N", *map(str, t.shape[1:])]) + "]"
+
+
 def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     """[N, C, *spatial] -> [N, C * prod(kernel), L] with the layout of the weight's columns."""
     dims = len(module.kernel_size)
-    padding = module.padding
-    if module.padding_mode != "zeros" or isinstance(padding, str):  # "same", "valid" too
-        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
-        x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
-        padding = 0
+    x, padding = _padded(module, x)
     if dims == 2:
         return F.unfold(x, module.kernel_size, module.dilation, padding, module.stride)
     channels, k = x.shape[1], math.prod(module.kernel_size)
@@ -66,34 +85,91 @@ class ConvRule(BilinearRule):
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
         self.delta = concatenate(ds, 2) * output_gradient_factor  # [N, G, T, O/G]
 
-    @property
-    def projection(self) -> Callable[[Tensor], Tensor] | None:
-        """The layer's own convolution for G_n . V, except for 2d convolutions with one group
-        and fewer than _WIDE_CHANNELS input channels (None: the unfolded closed form). On those
-        the convolution kernel is slower than unfolding (BENCHMARKS.md, "Measurements behind
-        the engine's choices"), and their unfolded input is only prod(kernel) times a few
-        channels."""
-        narrow = _plain_2d(self.module) and self.module.in_channels < _WIDE_CHANNELS
-        return None if narrow else self._convolved_projection
+    def kernels(self) -> LayerKernels:
+        """The layer's own kernels: G_n by one grouped convolution, by windows of the flat
+        input (2d convolutions with stride 1 and one group), and G_n . V by the layer's own
+        convolution; the choice among them and the unfolded forms is measured (:mod:`kernels`).
 
-    def _convolved_projection(self, v: Tensor) -> Tensor:
-        """G_n . V = sum_t delta_{n,t} . (V x^unf_{n,t}) = <delta_n, conv(x_n; V)>: the layer's
-        own convolution with V as its weight (padding, stride, groups as the layer has them),
-        without unfolding the input; cost N T I O, that of the layer's forward."""
+        Unmeasured (small layers), the prior follows BENCHMARKS.md, "Measurements behind the
+        engine's choices": 2d convolutions with one group and fewer than _WIDE_CHANNELS input
+        channels unfold (their own kernels are slower there, and their unfolded input is only
+        prod(kernel) times a few channels); wider ones take the windows where they apply and
+        their own convolution for projections."""
+        m = self.module
+        gradients = {GROUPED: self._grouped_gradients}
+        if _plain_2d(m) and tuple(m.stride) == (1, 1):
+            gradients[WINDOWS] = self._window_gradients
+        narrow = _plain_2d(m) and m.in_channels < _WIDE_CHANNELS
+        return LayerKernels(
+            gradients=gradients,
+            projections={CONVOLUTION: self._convolved_projection},
+            prior_gradients=WINDOWS if WINDOWS in gradients and not narrow else UNFOLDED_GRADIENTS,
+            prior_projections=UNFOLDED_PROJECTIONS if narrow else CONVOLUTION,
+            key=self._key(),
+            describe=self._describe,
+        )
+
+    def _key(self) -> tuple:
+        """What the kernels' costs depend on: the layer's configuration, each call's
+        per-sample input and output shapes, dtype and device."""
+        m = self.module
+        shapes = tuple(
+            (tuple(x.shape[1:]), tuple(d.shape[1:]))
+            for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True)
+        )
+        config = (m.weight.shape, m.stride, m.padding, m.dilation, m.groups, m.padding_mode)
+        return (type(m).__name__, config, shapes, self.delta.dtype, self.delta.device)
+
+    def _describe(self) -> str:
+        """'conv Conv2d(3, 64, kernel_size=(5, 5), stride=(1, 1)) [N, 3, 32, 32] -> [N, 64,
+        28, 28]' (each call's shapes)."""
+        shapes = ", ".join(
+            f"{_shape(x)} -> {_shape(d)}"
+            for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True)
+        )
+        return f"conv {self.module} {shapes}"
+
+    def _convolved_projection(self, v: Tensor, start: int = 0, stop: int | None = None) -> Tensor:
+        """G_n . V = sum_t delta_{n,t} . (V x^unf_{n,t}) = <delta_n, conv(x_n; V)> of samples
+        start..stop-1 (all by default): the layer's own convolution with V as its weight
+        (padding, stride, groups as the layer has them), without unfolding the input; cost
+        N T I O, that of the layer's forward."""
         result = None
         for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
-            mapped = self.module._conv_forward(x, v, None)
-            p = torch.linalg.vecdot(mapped.flatten(1), d.flatten(1))
+            mapped = self.module._conv_forward(x[start:stop], v, None)
+            p = torch.linalg.vecdot(mapped.flatten(1), d[start:stop].flatten(1))
             result = p if result is None else result + p
         return result * self.output_gradient_factor
 
-    @property
-    def gradients(self) -> Callable[[int, int], Tensor] | None:
-        """G_n by windows of the flat input for 2d convolutions with stride 1, one group and at
-        least _WIDE_CHANNELS input channels (None for the others: unfolding)."""
+    def _grouped_gradients(self, start: int, stop: int) -> Tensor:
+        """G_n of samples start..stop-1 shaped like the weight, by one grouped convolution per
+        call (the trick of Opacus and BackPACK), without unfolding.
+
+        Per sample n, output channel o of group g, input channel c of that group and kernel
+        offset k (per spatial axis; s: stride, d: dilation, x padded),
+
+            G_n[o, c, k] = sum_t delta_n[o, t] x_n[c, s t + d k],
+
+        a convolution of x_n[c] with delta_n[o] as its kernel, stride d and dilation s (the
+        layer's swapped). So with the in-channels of a group as the batch, [C/G, n G, *S], and
+        delta as n O kernels of one channel, groups = n G pairs each (sample, group) input
+        channel with its O/G output channels. The result has floor((S_p - s (T - 1) - 1) / d)
+        + 1 >= k positions per axis (S_p: padded size, T: output size; more than k where the
+        layer's stride leaves input unread at the end): the first k are G_n."""
         m = self.module
-        wide = _plain_2d(m) and tuple(m.stride) == (1, 1) and m.in_channels >= _WIDE_CHANNELS
-        return self._window_gradients if wide else None
+        samples, groups, kernel = stop - start, m.groups, tuple(m.kernel_size)
+        total = None
+        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+            x, padding = _padded(m, x[start:stop])
+            inputs = x.reshape(samples * groups, -1, *x.shape[2:]).transpose(0, 1)
+            kernels = d[start:stop].reshape(samples * d.shape[1], 1, *d.shape[2:])
+            g = _CONV[len(kernel)](
+                inputs, kernels, None, m.dilation, padding, m.stride, samples * groups
+            )  # [C/G, n O, *positions >= kernel]
+            g = g[(..., *(slice(0, k) for k in kernel))]
+            g = g.reshape(g.shape[0], samples, d.shape[1], *kernel).movedim(0, 2)
+            total = g if total is None else total + g
+        return total.mul(self.output_gradient_factor).contiguous()
 
     def _window_gradients(self, start: int, stop: int) -> Tensor:
         """G_n of samples start..stop-1 shaped like the weight, without unfolding.
