@@ -5,9 +5,9 @@ that) for ``loss = losses.sum()``.
 Lanczos (:func:`avionics.curvature.algorithms.top_eigenpairs`) on Hessian-vector products
 through the graph of the step's backward, so it sets ``create_graph = True``: pass
 ``loss.backward(create_graph=cockpit.create_graph(step))``. Warm-started from the previous
-tracked step's eigenvector, kept with the basis storage in a
-:class:`~avionics.curvature.algorithms.lanczos.LanczosState`; ``tol`` is the relative accuracy
-of the eigenvalue. It does not touch the global random number generator.
+tracked step's eigenvector, kept with the basis storage and the gap estimate of the
+one-product check in a :class:`~avionics.curvature.algorithms.lanczos.LanczosState`; ``tol`` is
+the relative accuracy of the eigenvalue. It does not touch the global random number generator.
 """
 
 from __future__ import annotations
@@ -101,21 +101,28 @@ class WarmStartedTopEigenvalue(Quantity):
         return self._lanczos.eigenvector
 
     def state_dict(self) -> dict:
-        """The warm start (the last eigenpair) and whether the warning was given."""
+        """The warm start (the last eigenpair and the gap estimate of the one-product check)
+        and whether the warning was given."""
         if self._lanczos.eigenvalue is None:
             return {"warned": self._warned}
-        return {
+        state = {
             "warned": self._warned,
             "eigenvalue": self._lanczos.eigenvalue,
             "eigenvector": self._lanczos.eigenvector.clone(),
         }
+        if self._lanczos.gap is not None:
+            state["gap"] = self._lanczos.gap
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self._warned = bool(state.get("warned", False))
         if "eigenvector" in state:
-            self._lanczos = LanczosState.from_eigenpair(state["eigenvector"], state["eigenvalue"])
+            lanczos = LanczosState.from_eigenpair(
+                state["eigenvector"], state["eigenvalue"], gap=state.get("gap")
+            )
         else:
-            self._lanczos = LanczosState()
+            lanczos = LanczosState()
+        self._warned = bool(state.get("warned", False))
+        self._lanczos = lanczos
 
 
 class HessMaxEV(WarmStartedTopEigenvalue):
@@ -128,9 +135,13 @@ class HessMaxEV(WarmStartedTopEigenvalue):
     Lanczos (:func:`~avionics.curvature.algorithms.top_eigenpairs` with the Kato-Temple
     stopping rule ``criterion="eigenvalue"``: min(r, GAP_SAFETY r^2 / gap) <= tol |theta|, r
     the Ritz residual norm) on Hessian-vector products through the gradient graph kept by
-    ``create_graph=True``; each tracked step starts from the previous one's eigenvector, so a
-    steady training run needs about two products per step. ``tol`` is the relative accuracy
-    of the eigenvalue; when ``max_products`` products do not reach it, the
+    ``create_graph=True``; each tracked step starts from the previous one's eigenvector. Its
+    first product is a Rayleigh quotient check: the quotient theta of that vector is stored
+    after this one product when the Kato-Temple bound with the gap estimated by the previous
+    steps' Lanczos meets the rule (the module docstring of
+    :mod:`avionics.curvature.algorithms.lanczos`), which it does while the Hessian moves
+    slowly; otherwise that product is the first Lanczos step. ``tol`` is the relative
+    accuracy of the eigenvalue; when ``max_products`` products do not reach it, the
     current estimate is stored and a warning is given (once). The start vector of the first
     step comes from a private seeded generator: the global RNG is untouched.
 

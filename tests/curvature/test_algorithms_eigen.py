@@ -252,3 +252,70 @@ def test_operator_with_autograd_graph_is_detached():
     r = top_eigenpairs(A * 1.0, 1, tol=1e-8)
     assert not r.values.requires_grad and not r.vectors.requires_grad
     torch.testing.assert_close(r.values, torch.linalg.eigvalsh(A.detach())[-1:])
+
+
+def _gapped(seed=2):
+    """D = 60, lambda_1 = 4, lambda_2 = 3, the rest in [-1, 2]; a unit symmetric E."""
+    A = symmetric([4.0, 3.0, *torch.linspace(-1.0, 2.0, 58).tolist()], seed=seed)
+    M = torch.randn(60, 60, generator=torch.Generator().manual_seed(seed + 1), dtype=DT)
+    E = (M + M.T) / 2
+    return A, E / torch.linalg.matrix_norm(E, ord=2)
+
+
+EXTREME = {"top": (top_eigenpairs, 1.0), "bottom": (bottom_eigenpairs, -1.0)}
+
+
+@pytest.mark.parametrize("which", ["top", "bottom"])
+def test_one_product_check_accepts_a_rayleigh_quotient_within_tol(which):
+    """A slowly changing operator (a training step): one product, its Rayleigh quotient
+    within the Kato-Temple bound r^2 / (theta - lambda_2) of the exact eigenvalue."""
+    eigenpairs, sign = EXTREME[which]
+    A, E = _gapped()
+    state = LanczosState()
+    first = eigenpairs(sign * A, tol=1e-10, seed=0, criterion="eigenvalue", state=state)
+    assert first.converged and state.gap >= 1.0 - 1e-9  # a Ritz gap over-estimates 4 - 3
+    start, gap = first.vectors[:, 0].clone(), state.gap
+    B = sign * (A + 0.02 * E)
+    second = eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=state)
+    assert second.converged and second.num_products == 1 and state.gap == gap
+    torch.testing.assert_close(second.vectors[:, 0], start, rtol=0, atol=1e-15)
+    theta, r = float(second.values[0]), float(second.residual_norms[0])
+    assert theta == pytest.approx(float(start @ B @ start), rel=1e-12)
+    assert r == pytest.approx(float((B @ start - theta * start).norm()), rel=1e-6)
+    exact = torch.linalg.eigvalsh(B)
+    exact = exact.flip(0) if which == "top" else exact  # (the wanted one first)
+    lam, lam2 = float(exact[0]), float(exact[1])
+    assert r > 1e-3 * abs(theta)  # the plain bound |theta - lambda| <= r would not do
+    assert 0 <= sign * (lam - theta) <= r * r / abs(theta - lam2) <= 1e-3 * abs(lam)
+
+
+def test_a_failed_one_product_check_is_the_first_lanczos_step():
+    """A larger change: the check fails, and the call goes on exactly like one from the same
+    start vector without the check (no product lost)."""
+    A, E = _gapped()
+    state = LanczosState()
+    start = top_eigenpairs(A, tol=1e-10, seed=0, criterion="eigenvalue", state=state)
+    v0 = start.vectors[:, 0].clone()
+    B = A + 0.1 * E
+    checked = top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=state)
+    plain = top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", v0=v0)
+    assert checked.converged and checked.num_products == plain.num_products >= 2
+    torch.testing.assert_close(checked.values, plain.values, rtol=1e-12, atol=0)
+    lam = float(torch.linalg.eigvalsh(B)[-1])
+    assert float(checked.values[0]) == pytest.approx(lam, rel=1e-3)
+    assert state.gap <= 1.0 + 0.2  # the running minimum of the Ritz gaps (near 4 - 3)
+
+
+def test_a_saved_gap_restores_the_one_product_check():
+    A, E = _gapped()
+    state = LanczosState()
+    top_eigenpairs(A, tol=1e-10, seed=0, criterion="eigenvalue", state=state)
+    vector, value, gap = state.eigenvector.clone(), state.eigenvalue, state.gap
+    B = A + 0.02 * E
+    with_gap = LanczosState.from_eigenpair(vector, value, gap=gap)
+    without = LanczosState.from_eigenpair(vector, value)
+    assert top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=with_gap).num_products == 1
+    assert top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=without).num_products >= 2
+    for bad in (0.0, -1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=r"gap must be a positive finite .* got "):
+            LanczosState.from_eigenpair(vector, value, gap=bad)

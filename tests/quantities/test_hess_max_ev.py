@@ -1,12 +1,16 @@
 """HessMaxEV's Lanczos: both memory layouts (per leaf, flat), restarts, the storage's rows,
-leaves the Hessian does not reach, sum reduction (the Hessian of the sum: N times the mean's);
-against eigvalsh of the dense Hessian."""
+leaves the Hessian does not reach, sum reduction (the Hessian of the sum: N times the mean's),
+the one-product check over steady training and its saved gap; against eigvalsh of the dense
+Hessian."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import avionics.curvature.algorithms.lanczos as lanczos
 import avionics.quantities.hess_max_ev as hme
@@ -123,3 +127,45 @@ def test_float64_and_a_negative_definite_operator(layout):
     value, x = state.eigenvalue, state.eigenvector
     assert result.converged and value == pytest.approx(-1.0, rel=1e-8)
     assert float((A @ x - value * x).norm()) < 1e-3
+
+
+# Learning rates at which each test model's Hessian moves slowly enough for one-product steps.
+STEADY_LR = {"mlp": 0.003, "cnn": 0.003, "transformer": 3e-4}
+
+
+@pytest.mark.parametrize("arch", ["mlp", "cnn", "transformer"])
+def test_steady_training_with_one_product_steps_stays_within_tol(arch):
+    """Each step's value is a Rayleigh quotient (at most lambda_max) within tol = 1e-3 of
+    eigvalsh of the dense Hessian, on steps of one product as on the others."""
+    model, X, y, loss_fn = ARCHITECTURES[arch]()
+    q = HessMaxEV()
+    errors = {}
+
+    def check(step, out):
+        lam = _top(model, X, y, loss_fn)
+        errors[step] = (lam - out["HessMaxEV"]) / abs(lam)
+
+    with sdpa_kernel(SDPBackend.MATH):  # (the transformer's attention, twice differentiable)
+        _run(model, X, y, loss_fn, [q], steps=8, lr=STEADY_LR[arch], before_update=check)
+    assert all(-1e-12 <= e <= 1e-3 for e in errors.values()), errors
+    assert 1 in q.num_products.values() and q.num_products[0] > 1, q.num_products
+
+
+def test_the_saved_warm_start_keeps_the_gap():
+    """A quantity resumed from state_dict() takes the same products and value as the one that
+    saved it; a saved gap that is not a gap is refused before anything changes."""
+    model, X, y, loss_fn = ARCHITECTURES["mlp"]()
+    q = HessMaxEV()
+    _run(model, X, y, loss_fn, [q], steps=2, lr=STEADY_LR["mlp"])
+    state = q.state_dict()
+    assert state["gap"] == q._lanczos.gap > 0
+    resumed = HessMaxEV()
+    resumed.load_state_dict(state)
+    twin = copy.deepcopy(model)
+    (ours,) = _run(model, X, y, loss_fn, [q])
+    (theirs,) = _run(twin, X, y, loss_fn, [resumed])
+    assert theirs == ours and resumed.num_products[0] == q.num_products[0] == 1
+    fresh = HessMaxEV()
+    with pytest.raises(ValueError, match=r"gap must be a positive finite .* got -1.0"):
+        fresh.load_state_dict({**state, "gap": -1.0, "warned": True})
+    assert fresh.state_dict() == {"warned": False}

@@ -246,3 +246,22 @@ def test_adamw_built_before_any_adam_is_supported():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["None", "None"]
+
+
+def test_steady_adam_steps_of_one_product_stay_within_tol():
+    """A slow Adam run (P and H change little per step): some steps stop after the one-product
+    check of the shared warm start, and every step is within tol = 1e-3 of eigvalsh."""
+    model, X, y, loss_fn = ARCHITECTURES["mlp"]()
+    params = _params(model)
+    optimizer = torch.optim.Adam(params, lr=1e-6)
+    quantity = PreconditionedSharpness()
+    errors = []
+
+    def check(step, value, H):
+        s = _preconditioner_after_step(optimizer, params).rsqrt()
+        expected = float(torch.linalg.eigvalsh(s[:, None] * H * s[None, :])[-1])
+        errors.append((expected - value) / abs(expected))
+
+    _train(model, X, y, loss_fn, optimizer, quantity, 8, check)
+    assert len(errors) == 8 and all(-1e-12 <= e <= 1e-3 for e in errors), errors
+    assert 1 in quantity.num_products.values() and quantity.num_products[0] > 1

@@ -19,6 +19,22 @@ Stopping rules (``criterion``):
   r_i and about r_i^2 / gap_i, gap_i the distance to the nearest other Ritz value; the rule is
   min(r_i, GAP_SAFETY r_i^2 / gap_i) <= tol |theta_i|.
 
+  The one-product check: a call warm-started from a :class:`LanczosState` with k = 1 knows,
+  after its first product, only the Rayleigh quotient theta = v^T A v of the start vector and
+  its residual r = ||A v - theta v||, and no other Ritz value to measure a gap from. It then
+  takes ``gap`` from the state: the smallest Ritz gap of the extreme pair over the calls
+  that warm-started from the state's own eigenvector since its last fresh start, an estimate
+  of the distance theta - lambda_2 to the next eigenvalue. Justification (the Kato-Temple
+  inequality: T. Kato, J. Phys. Soc. Japan 4, 1949; G. Temple, Proc. R. Soc. A 119, 1928;
+  Parlett, as above): if the interval (lambda_2, +infinity) holds theta and no eigenvalue but
+  lambda_1, then theta <= lambda_1 <= theta + r^2 / (theta - lambda_2) (mirrored for the
+  smallest eigenvalue). A Ritz gap theta_1 - theta_2 over-estimates lambda_1 - lambda_2
+  (Cauchy interlacing: theta_2 <= lambda_2), so the running minimum approaches it from
+  above, and GAP_SAFETY covers what it still over-estimates; the rule is the same
+  min(r, GAP_SAFETY r^2 / gap) <= tol |theta|. When it holds, the call stops after that one
+  product and returns (theta, v); when not, that product is the first Lanczos step: the
+  check costs no product.
+
 When the basis reaches ``max_basis`` vectors the iteration is thick-restarted (Wu & Simon 2000,
 "Thick-restart Lanczos method for large symmetric eigenvalue problems", SIAM J. Matrix Anal.
 Appl. 22(2)): the best Ritz vectors are kept, with the last residual direction, and the
@@ -109,8 +125,9 @@ class LanczosState:
 
     A call with this state starts from ``eigenvector`` (unless given ``v0``) and leaves its own
     extreme eigenpair here. ``storage`` [rows, D] holds the basis from row ``start`` on; the
-    Ritz vectors go into the rows after the final basis, where the next call's basis starts, so
-    a warm start copies no vector; when fewer than max_basis + k rows are left, the start vector
+    Ritz vectors go into the rows after the final basis, where the next call's basis starts (a
+    call that stops after one product keeps its start row, already its Ritz vector), so a warm
+    start copies no vector; when fewer than max_basis + k rows are left, the start vector
     moves back to row 0 (one copy), every ``spare_rows`` calls or so.
     """
 
@@ -119,13 +136,29 @@ class LanczosState:
         self.storage: Tensor | None = None
         self.start = 0
         self.eigenvalue: float | None = None  # float64 Ritz value of the last call
+        # the smallest Ritz gap of the extreme pair since the last fresh start (the estimate
+        # of the one-product check; module docstring)
+        self.gap: float | None = None
 
     @classmethod
-    def from_eigenpair(cls, eigenvector: Tensor, eigenvalue: float, spare_rows: int = 4):
-        """A state whose next call starts from ``eigenvector`` (e.g. a saved warm start)."""
+    def from_eigenpair(
+        cls,
+        eigenvector: Tensor,
+        eigenvalue: float,
+        spare_rows: int = 4,
+        gap: float | None = None,
+    ):
+        """A state whose next call starts from ``eigenvector`` (e.g. a saved warm start), with
+        the saved ``gap`` estimate of the one-product check (None: no check at that call)."""
+        if gap is not None and not (math.isfinite(gap) and gap > 0):
+            raise ValueError(
+                "gap must be a positive finite Ritz gap (the 'gap' a state saved) or None, "
+                f"got {gap!r}: pass the saved value, or None to start without it"
+            )
         state = cls(spare_rows)
         state.storage = eigenvector.detach().reshape(1, -1).clone()
         state.eigenvalue = float(eigenvalue)
+        state.gap = None if gap is None else float(gap)
         return state
 
     @property
@@ -186,7 +219,9 @@ def top_eigenpairs(
         on its own device).
     max_basis: Krylov basis size before a thick restart (default max(50, 3k), at most D).
     state: a :class:`LanczosState` whose storage holds the basis and which keeps the top
-        eigenpair for the next call's warm start.
+        eigenpair for the next call's warm start, with the gap estimate that lets such a call
+        (k = 1, ``criterion="eigenvalue"``, no ``v0``) stop after one product (the one-product
+        check, module docstring).
     progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
         :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
         never.
@@ -263,6 +298,9 @@ def _lanczos_extreme(
     state = LanczosState(spare_rows=0) if scratch else state
     warm = state._rows_from_start(D, dtype, device, max_basis + k)
     storage, start = state.storage, state.start
+    # the one-product check needs the gap of the operator whose eigenvector starts the call
+    prior_gap = state.gap if warm and v0 is None and k == 1 else None
+    state.gap = None  # (until this call ends with finite products)
     if v0 is not None:
         storage[start] = _unit_start_vector(v0, D, dtype, device)
     elif not warm:
@@ -272,13 +310,18 @@ def _lanczos_extreme(
 
     lanczos = _Lanczos(op, storage, start, k, which, max_basis, random_unit_vector)
     with progress_bar(progress, max_products, name) as bar:
-        found = lanczos.run(tol, criterion == "eigenvalue", max_products, bar)
+        found = lanczos.run(tol, criterion == "eigenvalue", max_products, bar, prior_gap)
     if found is None:
         return _not_finite(D, k, dtype, device, lanczos.products)
     theta, Y, nb, residuals, converged = found
     wanted = _wanted(nb, min(k, nb), which)
-    X = _ritz_vectors(storage[start : start + nb], Y, wanted, storage[start + nb :])
-    state.start, state.eigenvalue = start + nb, float(theta[wanted[0]])
+    if nb == 1:  # (the one-product check) the start vector is its Ritz vector: no copy
+        X, state.start = storage[start : start + 1], start
+    else:
+        X = _ritz_vectors(storage[start : start + nb], Y, wanted, storage[start + nb :])
+        state.start = start + nb
+    state.eigenvalue = float(theta[wanted[0]])
+    state.gap = _smallest_gap(prior_gap, _ritz_gap(theta, wanted[0]) if nb > 1 else None)
     values_and_residuals = torch.tensor(
         [[float(theta[i]) for i in wanted], residuals], dtype=dtype
     )
@@ -341,10 +384,11 @@ class _Lanczos:
         self.eps = float(torch.finfo(op.dtype).eps)
         self.products = 0
 
-    def run(self, tol: float, eigenvalue_bound: bool, max_products: int, bar):
+    def run(self, tol: float, eigenvalue_bound: bool, max_products: int, bar, prior_gap=None):
         """Lanczos steps until the stopping rule, the budget or an exhausted space (nb = D);
         returns (theta, Y, nb, residual norms of the wanted pairs, converged), or None at a
-        product that is not finite. Each product advances the progress bar ``bar``."""
+        product that is not finite. Each product advances the progress bar ``bar``.
+        ``prior_gap`` (or None) is the gap of the one-product check (module docstring)."""
         T, storage, start, slices = self.T, self.storage, self.start, self.op.slices
         nb, anorm = 1, 0.0
         while True:
@@ -378,7 +422,7 @@ class _Lanczos:
             residuals = [beta * abs(float(Y[nb - 1, i])) for i in wanted]
             floor = 10 * self.eps * anorm
             done = nb >= self.k and _converged(
-                theta, wanted, residuals, tol, floor, eigenvalue_bound
+                theta, wanted, residuals, tol, floor, eigenvalue_bound, prior_gap
             )
             invariant = nb == self.op.dim and beta <= 1e3 * floor
             if done or self.products >= max_products or invariant:
@@ -411,21 +455,36 @@ def _wanted(m: int, n: int, which: str) -> range:
     return range(m - 1, m - 1 - n, -1) if which == "LA" else range(n)
 
 
-def _converged(theta, wanted, residuals, tol: float, floor: float, eigenvalue_bound: bool):
+def _converged(
+    theta, wanted, residuals, tol: float, floor: float, eigenvalue_bound: bool, prior_gap=None
+):
     """Whether every wanted pair's error estimate (r, or with ``eigenvalue_bound`` the
     Kato-Temple min(r, GAP_SAFETY r^2 / gap)) is <= max(tol |theta|, floor)."""
     for i, r in zip(wanted, residuals, strict=True):
-        error = _eigenvalue_error(theta, i, r) if eigenvalue_bound else r
+        error = _eigenvalue_error(theta, i, r, prior_gap) if eigenvalue_bound else r
         if error > max(tol * abs(theta[i]), floor):
             return False
     return True
 
 
-def _eigenvalue_error(theta, i: int, r: float) -> float:
+def _eigenvalue_error(theta, i: int, r: float, prior_gap: float | None = None) -> float:
     """min(r, GAP_SAFETY r^2 / gap), gap the distance from theta[i] to its nearest neighbour
-    among the ascending Ritz values (r alone without a positive gap)."""
-    gap = min((abs(theta[i] - theta[n]) for n in (i - 1, i + 1) if 0 <= n < len(theta)), default=0)
-    return min(r, GAP_SAFETY * r * r / float(gap)) if gap > 0 else r
+    among the ascending Ritz values, or ``prior_gap`` when theta has no other value (the
+    one-product check); r alone without a positive gap."""
+    gap = _ritz_gap(theta, i) if len(theta) > 1 else (prior_gap or 0.0)
+    return min(r, GAP_SAFETY * r * r / gap) if gap > 0 else r
+
+
+def _ritz_gap(theta, i: int) -> float:
+    """The distance from theta[i] to its nearest neighbour among the ascending Ritz values."""
+    return float(min(abs(theta[i] - theta[n]) for n in (i - 1, i + 1) if 0 <= n < len(theta)))
+
+
+def _smallest_gap(*gaps: float | None) -> float | None:
+    """The smallest of the known positive gaps (None when none is known: coincident Ritz
+    values give no gap to bound an error by)."""
+    known = [g for g in gaps if g is not None and g > 0]
+    return min(known) if known else None
 
 
 def _ritz_vectors(V: Tensor, Y: np.ndarray, wanted: range, rows: Tensor) -> Tensor:
