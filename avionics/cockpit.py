@@ -1272,15 +1272,15 @@ def _add_learning_rates(values: dict, step: int, info: dict) -> None:
     values[step][LEARNING_RATE] = rates[0] if len(set(rates)) == 1 else rates
 
 
-@contextmanager
 def _without_autocast(device_type: str):
-    """No autocast region (the user's forward may have run in one, with the block inside)."""
+    """No autocast region (the user's forward may have run in one, with the block inside):
+    a region that disables it where it is enabled, else nothing."""
     try:
-        region = torch.autocast(device_type, enabled=False)
+        if torch.is_autocast_enabled(device_type):
+            return torch.autocast(device_type, enabled=False)
     except RuntimeError:  # a device type without autocast
-        region = contextlib.nullcontext()
-    with region:
-        yield
+        pass
+    return contextlib.nullcontext()
 
 
 def _split(flat: list[Tensor], params) -> list:
