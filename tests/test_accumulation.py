@@ -5,15 +5,18 @@ backward; the step's values are those of one batch made of the k micro-batches, 
 """
 
 import copy
-import math
 
 import models
 import pytest
 import torch
+from compare import assert_same_output
 
 from avionics import Cockpit, configuration, quantities
 
 CURVATURE = ("HessTrace", "HessMaxEV", "TICDiag")
+
+# what the accumulated values must equal one batch's to
+EXACT = {"rel": 1e-10, "abs": 1e-13}
 
 
 def economy_and_curvature(curvature="diag_ggn_exact"):
@@ -51,21 +54,6 @@ def run(model, X, y, loss_fn, k, make_quantities, steps=2, reduction="mean", siz
     return cockpit.get_output()
 
 
-def assert_close(ours, theirs, rel=1e-10, where=()):
-    if isinstance(theirs, dict):
-        assert ours.keys() == theirs.keys(), where
-        for key in theirs:
-            assert_close(ours[key], theirs[key], rel, (*where, key))
-    elif isinstance(theirs, list):
-        assert len(ours) == len(theirs), where
-        for j, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_close(a, b, rel, (*where, j))
-    elif isinstance(theirs, float) and not math.isnan(theirs):
-        assert ours == pytest.approx(theirs, rel=rel, abs=1e-13), where
-    else:
-        assert ours == theirs, where
-
-
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_accumulated_steps_equal_one_batch(k, reduction):
@@ -76,7 +64,7 @@ def test_accumulated_steps_equal_one_batch(k, reduction):
         )
     ours = run(model, X, y, loss_fn, k, economy_and_curvature, reduction=reduction)
     assert {"Alpha", "NormTest", *CURVATURE} <= set(ours[0])
-    assert_close(ours, ONE_BATCH[reduction])
+    assert_same_output(ours, ONE_BATCH[reduction], **EXACT)
 
 
 def test_the_exact_hessian_diagonal_of_accumulated_steps_equals_one_batch():
@@ -85,7 +73,9 @@ def test_the_exact_hessian_diagonal_of_accumulated_steps_equals_one_batch():
     def make():
         return [quantities.HessTrace(curvature="diag_h"), quantities.TICTrace(curvature="diag_h")]
 
-    assert_close(run(model, X, y, loss_fn, 2, make), run(model, X, y, loss_fn, 1, make))
+    assert_same_output(
+        run(model, X, y, loss_fn, 2, make), run(model, X, y, loss_fn, 1, make), **EXACT
+    )
 
 
 def test_unequal_micro_batches_and_the_ggn_diagonal_equal_one_batch():
@@ -99,7 +89,9 @@ def test_unequal_micro_batches_and_the_ggn_diagonal_equal_one_batch():
         ]
 
     one_batch = run(model, X, y, loss_fn, 1, make, steps=1)
-    assert_close(run(model, X, y, loss_fn, 3, make, steps=1, sizes=[2, 1, 2]), one_batch)
+    assert_same_output(
+        run(model, X, y, loss_fn, 3, make, steps=1, sizes=[2, 1, 2]), one_batch, **EXACT
+    )
 
 
 def test_accumulation_on_a_transformer_equals_one_batch():
@@ -108,7 +100,9 @@ def test_accumulation_on_a_transformer_equals_one_batch():
     def make():
         return configuration("economy")
 
-    assert_close(run(model, X, y, loss_fn, 2, make), run(model, X, y, loss_fn, 1, make))
+    assert_same_output(
+        run(model, X, y, loss_fn, 2, make), run(model, X, y, loss_fn, 1, make), **EXACT
+    )
 
 
 def block(cockpit, step, model, x, y, loss_fn, **micro):

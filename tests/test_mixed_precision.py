@@ -12,6 +12,7 @@ import warnings
 import models
 import pytest
 import torch
+from compare import assert_same_output
 
 from avionics import Cockpit, configuration, quantities
 
@@ -57,20 +58,6 @@ def train(
     return cockpit.get_output(), [str(w.message) for w in caught]
 
 
-def assert_close(ours, theirs, rel, where=()):
-    if isinstance(theirs, dict):
-        assert ours.keys() == theirs.keys(), where
-        for key in theirs:
-            assert_close(ours[key], theirs[key], rel, (*where, key))
-    elif isinstance(theirs, list):
-        for j, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            assert_close(a, b, rel, (*where, j))
-    elif isinstance(theirs, float):
-        assert ours == pytest.approx(theirs, rel=rel, abs=1e-12), where
-    else:
-        assert ours == theirs, where
-
-
 def scaled_by(scaler):
     def backward(loss, cockpit, step):
         scaler.scale(loss).backward(create_graph=cockpit.create_graph(step))
@@ -94,7 +81,7 @@ def test_a_grad_scaler_gives_the_values_of_the_unscaled_loss():
         model, X, y, loss_fn, full_without_2d_histogram, 2, scaled_by(scaler), stepped_by(scaler)
     )
     assert {"GradNorm", "NormTest", "HessTrace", "HessMaxEV", "TICDiag"} <= set(ours[0])
-    assert_close(ours, expected, rel=1e-12)
+    assert_same_output(ours, expected, rel=1e-12)
 
 
 def test_any_positive_multiple_of_the_loss_is_measured_and_divided_out():
@@ -113,7 +100,7 @@ def test_any_positive_multiple_of_the_loss_is_measured_and_divided_out():
 
     expected, _ = train(model, X, y, loss_fn, make)
     ours, _ = train(model, X, y, loss_fn, make, backward=thrice, update=update)
-    assert_close(ours, expected, rel=1e-12)
+    assert_same_output(ours, expected, rel=1e-12)
 
 
 def test_a_negative_multiple_of_the_loss_is_refused_and_stores_nothing():
@@ -179,7 +166,7 @@ def test_autocast_values_are_close_to_float32(dtype):
     ours, caught = train(model, X, y, loss_fn, make, 1, backward, update, autocast=dtype)
     assert not [m for m in caught if "do not sum to the batch gradient" in m]
     assert {"NormTest", "HessTrace", "HessMaxEV", "TICDiag"} <= set(ours[0])
-    assert_close(ours, expected, rel=AUTOCAST_RTOL[dtype])
+    assert_same_output(ours, expected, rel=AUTOCAST_RTOL[dtype])
 
 
 def test_the_ggn_diagonal_under_autocast_is_close_to_float32():
@@ -191,4 +178,4 @@ def test_the_ggn_diagonal_under_autocast_is_close_to_float32():
 
     expected, _ = train(model, X, y, loss_fn, make, steps=1)
     ours, _ = train(model, X, y, loss_fn, make, steps=1, autocast=torch.bfloat16)
-    assert_close(ours, expected, rel=AUTOCAST_RTOL[torch.bfloat16])
+    assert_same_output(ours, expected, rel=AUTOCAST_RTOL[torch.bfloat16])

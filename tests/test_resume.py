@@ -9,6 +9,7 @@ import io
 import models
 import pytest
 import torch
+from compare import assert_same_output
 
 from avionics import Cockpit, quantities, schedules
 
@@ -69,19 +70,6 @@ def saved(model, opt, cockpit) -> bytes:
     return buffer.getvalue()
 
 
-def assert_equal(ours, expected, where):
-    if isinstance(expected, dict):
-        assert set(ours) == set(expected), where
-        for key in expected:
-            assert_equal(ours[key], expected[key], f"{where}[{key}]")
-    elif isinstance(expected, list):
-        assert len(ours) == len(expected), where
-        for i, (a, b) in enumerate(zip(ours, expected)):
-            assert_equal(a, b, f"{where}[{i}]")
-    else:
-        assert ours == pytest.approx(expected, rel=1e-12, abs=1e-14), where
-
-
 @pytest.mark.parametrize("first_step", [None, STOP + 1])
 @pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
 def test_a_resumed_run_equals_an_uninterrupted_one(optimizer, first_step):
@@ -105,7 +93,7 @@ def test_a_resumed_run_equals_an_uninterrupted_one(optimizer, first_step):
     # the two-step values of the last step before the stop arrive after the resume
     assert set(after[STOP]) == {"UpdateSize", "Alpha"}
     merged = {step: {**before.get(step, {}), **after.get(step, {})} for step in expected}
-    assert_equal(merged, expected, "output")
+    assert_same_output(merged, expected, rel=1e-12, abs=1e-14)
 
 
 def test_a_cockpit_without_its_state_differs_from_the_uninterrupted_run():

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from compare import assert_same_output
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -131,21 +132,8 @@ def plain_loop(net, quantities, data, optimizer=torch.optim.SGD, batch_size=N, c
 
 
 def assert_close(actual, expected, rel, path="values"):
-    """Equal nested values (dicts, lists, numbers) to a relative tolerance."""
-    if isinstance(expected, dict):
-        assert set(actual) == set(expected), f"{path}: {set(actual) ^ set(expected)}"
-        for key in expected:
-            assert_close(actual[key], expected[key], rel, f"{path}[{key!r}]")
-    elif isinstance(expected, list | tuple):
-        assert len(actual) == len(expected), path
-        for i, (a, e) in enumerate(zip(actual, expected)):
-            assert_close(a, e, rel, f"{path}[{i}]")
-    elif isinstance(expected, float):
-        assert math.isclose(actual, expected, rel_tol=rel, abs_tol=rel * 1e-3), (
-            f"{path}: {actual} != {expected}"
-        )
-    else:
-        assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+    """Equal nested values to a relative tolerance (and an absolute one of rel / 1000)."""
+    assert_same_output(actual, expected, rel, rel * 1e-3, (path,))
 
 
 def without_time(output):

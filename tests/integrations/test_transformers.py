@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from compare import assert_same_output
 from torch.nn import functional as F
 
 from avionics import Cockpit, configuration
@@ -121,22 +122,6 @@ def plain_loop(model, quantities, seen, accumulation=1, max_grad_norm=0.0):
     return cockpit
 
 
-def assert_same_values(got, expected, where=""):
-    """Numbers equal to rel RTOL (integers, histogram counts, exactly), recursively."""
-    if isinstance(expected, dict):
-        assert set(got) == set(expected), where
-        for key in expected:
-            assert_same_values(got[key], expected[key], f"{where}/{key}")
-    elif isinstance(expected, list):
-        assert len(got) == len(expected), where
-        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-            assert_same_values(a, b, f"{where}[{i}]")
-    elif isinstance(expected, float):
-        assert math.isclose(got, expected, rel_tol=RTOL, abs_tol=1e-12), (where, got, expected)
-    else:
-        assert got == expected, (where, got, expected)
-
-
 @pytest.mark.parametrize(
     "label, max_grad_norm, steps",
     [
@@ -164,7 +149,7 @@ def test_trainer_equals_a_plain_loop(tmp_path, label, max_grad_norm, steps):
     )
     got, expected = trainer.cockpit.get_output(), reference.get_output()
     assert sorted(got) == list(range(steps))
-    assert_same_values(got, expected)
+    assert_same_output(got, expected, rel=RTOL)
     if label == "full":
         assert all("HessMaxEV" in got[s] and "HessTrace" in got[s] for s in range(steps))
     # the same weights came out of the two loops
@@ -254,7 +239,7 @@ def test_accumulation_equals_one_batch_of_all_micro_batches(tmp_path):
     for values in (got, expected):  # the histograms' counts may differ at bin edges
         for step in values.values():
             step.pop("GradHist1d")
-    assert_same_values(got, expected)
+    assert_same_output(got, expected, rel=RTOL)
 
 
 def test_settings_with_another_loss_are_refused_when_built(tmp_path):

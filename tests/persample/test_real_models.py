@@ -118,6 +118,22 @@ PRESET_RUNS = [
 ]
 
 
+def first_step(cockpit, model, X, y, loss_fn, optimizer) -> dict:
+    """Step 0 tracked (its backward with the graph the cockpit asks for, no update): its
+    values."""
+    losses = loss_fn(model(X), y)
+    loss = losses.mean()
+    info = {
+        "loss": loss,
+        "individual_losses": losses,
+        "batch_size": len(losses),
+        "optimizer": optimizer,
+    }
+    with cockpit(0, info):
+        loss.backward(create_graph=cockpit.create_graph(0))
+    return cockpit.get_output()[0]
+
+
 @pytest.mark.parametrize(("name", "preset"), PRESET_RUNS)
 def test_every_preset_runs_a_step_in_float32(name, preset):
     model, X, y, loss_fn = SMALL[name](dtype=torch.float32)
@@ -125,12 +141,7 @@ def test_every_preset_runs_a_step_in_float32(name, preset):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cockpit = Cockpit(model, quantities=configuration(preset))
-        losses = loss_fn(model(X), y)
-        loss = losses.mean()
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X)}
-        with cockpit(0, {**info, "optimizer": optimizer}):
-            loss.backward(create_graph=cockpit.create_graph(0))
-        output = cockpit.get_output()[0]
+        output = first_step(cockpit, model, X, y, loss_fn, optimizer)
         cockpit.close()
     messages = [str(w.message) for w in caught]
     assert not [m for m in messages if "one sample at a time" in m], messages
@@ -170,12 +181,7 @@ def test_hessian_trace_and_tic_diagonal_equal_the_dense_hessian(build):
         quantities = [HessTrace(curvature="diag_h"), TICDiag(curvature="diag_h")]
         cockpit = Cockpit(model, quantities=quantities)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        losses = loss_fn(model(X), y)
-        loss = losses.mean()
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(losses)}
-        with cockpit(0, {**info, "optimizer": optimizer}):
-            loss.backward(create_graph=cockpit.create_graph(0))
-    output = cockpit.get_output()[0]
+        output = first_step(cockpit, model, X, y, loss_fn, optimizer)
     sizes = [p.numel() for p in model.parameters()]
     traces = torch.stack([d.sum() for d in h.split(sizes)])
     torch.testing.assert_close(

@@ -25,6 +25,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from compare import assert_same_output
 from torch import nn
 from torch.func import functional_call
 
@@ -113,20 +114,6 @@ def _is_nan(value) -> bool:
     return isinstance(value, float) and math.isnan(value)
 
 
-def _assert_same(ours, theirs, where):
-    """Equal values (floats to 1e-10), through the lists and dicts of the outputs."""
-    if isinstance(theirs, dict):
-        assert ours.keys() == theirs.keys(), where
-        for key in theirs:
-            _assert_same(ours[key], theirs[key], (*where, key))
-    elif isinstance(theirs, list):
-        assert len(ours) == len(theirs), where
-        for k, (a, b) in enumerate(zip(ours, theirs, strict=True)):
-            _assert_same(a, b, (*where, k))
-    else:
-        assert ours == pytest.approx(theirs, rel=1e-10, abs=1e-14), where
-
-
 def _top_eigenvalue(step, model, X, y, loss_fn, into):
     into[step] = float(torch.linalg.eigvalsh(dense_hessian(model, X, y, loss_fn))[-1])
 
@@ -152,14 +139,14 @@ def test_non_finite_gradients_are_recorded_and_the_finite_steps_are_exact(value)
         for name in ("GradNorm", "HessTrace"):
             assert not all(map(math.isfinite, values[name])), (step, name)
         assert math.isfinite(values["Loss"])
-        _assert_same(values["Distance"], clean[step]["Distance"], (step,))
+        assert_same_output(values["Distance"], clean[step]["Distance"], 1e-10, 1e-14, (step,))
     # Alpha at t needs the gradients of t and t + 1
     assert [_is_nan(out[s]["Alpha"]) for s in range(4)] == [True, True, True, False]
     for step in (1, 3, 4):
         assert out[step]["HessMaxEV"] == pytest.approx(top[step], rel=1e-3), step
         for name, theirs in clean[step].items():
             if name not in ("HessMaxEV", "Time") and not (name == "Alpha" and step == 1):
-                _assert_same(out[step][name], theirs, (step, name))
+                assert_same_output(out[step][name], theirs, 1e-10, 1e-14, (step, name))
 
 
 @pytest.mark.parametrize("flat_below", [1 << 40, 0], ids=["flat", "per_block"])
