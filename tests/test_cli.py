@@ -1,10 +1,12 @@
-"""The ``avionics`` command line, through a subprocess and in process."""
+"""The ``avionics`` command line, in process (``main``), and through a subprocess where the
+process itself is what is tested (the entry point, a closed stdout pipe)."""
 
 from __future__ import annotations
 
 import errno
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +32,30 @@ def avionics(*args, cwd=None) -> subprocess.CompletedProcess:
     )
 
 
+def in_process(capsys, *args) -> subprocess.CompletedProcess:
+    """Run ``avionics ARGS`` by :func:`avionics.cli.main` in this process: its exit status
+    (argparse's ``SystemExit`` included) and what it printed, as :func:`avionics` returns."""
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, captured.out, captured.err)
+
+
+@pytest.fixture(scope="module")
+def written_run(tmp_path_factory):
+    """A synthetic run log of 30 steps, written once per module (copied for each test)."""
+    return write_run(tmp_path_factory.mktemp("written") / "run", num_steps=30)
+
+
 @pytest.fixture
-def run(tmp_path):
-    return write_run(tmp_path / "run", num_steps=30)
+def run(written_run, tmp_path):
+    return Path(shutil.copytree(written_run, tmp_path / "run"))
 
 
-def test_help_lists_every_command():
-    top = avionics("--help")
+def test_help_lists_every_command(capsys):
+    top = in_process(capsys, "--help")
     assert top.returncode == 0
     for command in ("demo", "plot", "diagnose", "export"):
         assert command in top.stdout
@@ -53,8 +72,10 @@ def test_help_of_each_command(command, option, capsys):
     assert option in capsys.readouterr().out
 
 
-def test_plot_writes_the_dashboard_and_secondary_screen(run, tmp_path):
-    result = avionics("plot", run, "-o", tmp_path / "c.svg", "--secondary", tmp_path / "s.png")
+def test_plot_writes_the_dashboard_and_secondary_screen(run, tmp_path, capsys):
+    result = in_process(
+        capsys, "plot", run, "-o", tmp_path / "c.svg", "--secondary", tmp_path / "s.png"
+    )
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "c.svg").read_bytes().startswith(b"<?xml")
     assert (tmp_path / "s.png").read_bytes().startswith(b"\x89PNG")
@@ -62,7 +83,7 @@ def test_plot_writes_the_dashboard_and_secondary_screen(run, tmp_path):
 
 
 def test_diagnose_prints_findings_and_json(run, capsys):
-    result = avionics("diagnose", run)
+    result = in_process(capsys, "diagnose", run)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith(f"Diagnosis of {run}: 30 tracked steps (steps 0-29)")
     assert "CABS suggests a batch size of about" in result.stdout
@@ -73,7 +94,7 @@ def test_diagnose_prints_findings_and_json(run, capsys):
 
 
 def test_errors_say_what_to_do(tmp_path, capsys):
-    missing = avionics("diagnose", tmp_path / "nowhere")
+    missing = in_process(capsys, "diagnose", tmp_path / "nowhere")
     assert missing.returncode == 1
     assert "avionics diagnose: error: no run log at" in missing.stderr
     assert "Traceback" not in missing.stderr
@@ -319,13 +340,13 @@ def test_outputs_in_a_folder_that_is_a_file(args, kind, run, tmp_path, capsys):
     ],
     ids=["plot", "csv", "tensorboard", "demo"],
 )
-def test_outputs_in_a_read_only_folder(args, run, tmp_path):
+def test_outputs_in_a_read_only_folder(args, run, tmp_path, capsys):
     out = tmp_path / "read-only"
     out.mkdir()
     out.chmod(0o555)
     argv = [a.format(out=out) for a in args]
     try:
-        result = avionics(*(argv if args[0] == "demo" else [args[0], run, *argv[1:]]))
+        result = in_process(capsys, *(argv if args[0] == "demo" else [args[0], run, *argv[1:]]))
         assert list(out.iterdir()) == []
     finally:
         out.chmod(0o755)
@@ -333,7 +354,7 @@ def test_outputs_in_a_read_only_folder(args, run, tmp_path):
     assert f"{out} is not writable (permission denied)" in one_line_error(result.stderr, args[0])
 
 
-def test_a_directory_where_a_file_is_expected(run, tmp_path):
+def test_a_directory_where_a_file_is_expected(run, tmp_path, capsys):
     folder = tmp_path / "figures"
     folder.mkdir()
     before = tree(tmp_path)
@@ -343,7 +364,7 @@ def test_a_directory_where_a_file_is_expected(run, tmp_path):
         ("export", run, "--format", "csv", "-o", folder),
         ("export", run, "--format", "cockpit-json", "-o", folder),
     ]:
-        result = avionics(*args)
+        result = in_process(capsys, *args)
         assert result.returncode == 1
         assert f"to {folder}: it is a folder, not a file." in one_line_error(
             result.stderr, args[0]
