@@ -1,4 +1,4 @@
-"""The presets of SPEC section 2: which quantities a cockpit runs by default."""
+"""The presets (docs/definitions.md, section 11): which quantities a cockpit runs by default."""
 
 from __future__ import annotations
 

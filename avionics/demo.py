@@ -176,3 +176,50 @@ def run_demo(
         f"with: avionics plot {out / 'too-large-lr'}; avionics diagnose {out / 'too-large-lr'}"
     )
     return findings
+
+
+def example_run(quantities: list, steps: int = 2, lr: float = 0.1, seed: int = 0) -> dict:
+    """``get_output()`` of a cockpit of ``quantities`` over ``steps`` steps of plain SGD at
+    ``lr`` on a 4-8-3 tanh MLP and one fixed batch of 16 random samples, in float64: the
+    small run of the ``Example:`` sections of the quantities' docstrings. The loop is the
+    protocol of the README::
+
+        with cockpit(step, info={"loss": loss, "individual_losses": losses,
+                                 "batch_size": 16, "optimizer": optimizer}):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+
+    The model and the data come from ``seed`` alone; the global random number generator is
+    left as it was.
+
+    Example:
+        >>> from avionics.quantities import Loss
+        >>> output = example_run([Loss()], steps=3)
+        >>> sorted(output), sorted(output[0])  # (the optimizer's learning rate comes along)
+        ([0, 1, 2], ['Loss', 'learning_rate'])
+        >>> bool(output[2]["Loss"] < output[0]["Loss"])  # SGD descends
+        True
+    """
+    generator = torch.Generator().manual_seed(seed)
+    X = torch.randn(16, 4, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 3, (16,), generator=generator)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    cockpit = Cockpit(model, quantities=quantities)
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(X), y, reduction="none")
+        loss = losses.mean()
+        info = {
+            "loss": loss,
+            "individual_losses": losses,
+            "batch_size": 16,
+            "optimizer": optimizer,
+        }
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+    cockpit.close()
+    return cockpit.get_output()

@@ -3,7 +3,7 @@
 Under data parallelism (``DistributedDataParallel``, or any loop in which each process
 backpropagates its own shard of the batch and the gradients are averaged), process r holds
 N_r samples. The global batch has N = sum_r N_r samples, and every quantity is defined on it
-(SPEC section 2), which only sums over samples connect to the processes' shares:
+(docs/definitions.md, section 2), which only sums over samples connect to the processes' shares:
 
     sum over the batch of f(sample n) = sum_r (sum over process r's samples of f(sample n)).
 

@@ -322,8 +322,8 @@ def parameter_statistics(
 
 
 def gradient_tests(sq_sum: Tensor | None, proj: Tensor | None, g_sq: Tensor, n: int):
-    """NormTest, InnerTest, OrthoTest (SPEC section 2; the ones the inputs allow) from
-    sum_n ||g_n||^2, the [N] projections g_n . g and ||g||^2, in float64."""
+    """NormTest, InnerTest, OrthoTest (docs/definitions.md, section 4; the ones the inputs
+    allow) from sum_n ||g_n||^2, the [N] projections g_n . g and ||g||^2, in float64."""
     out = {}
     scale = (n - 1) * n * g_sq
     if sq_sum is not None:

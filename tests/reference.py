@@ -1,4 +1,4 @@
-"""Brute-force float64 references of the quantities of SPEC section 2."""
+"""Brute-force float64 references of the quantities of docs/definitions.md."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The training survives the cockpit: bad input raises on entering a step with nothing stored,
 an exception inside the block leaves the cockpit working, and silent misuse is refused or
-warned of (SPEC section 5)."""
+warned of (docs/cockpit.md, section 4)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The cockpit's invariant under random misuse: each step either raises on entering and changes
-nothing, or stores the values its definitions give (SPEC section 5)."""
+nothing, or stores the values its definitions give (docs/cockpit.md, section 4)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Curvature of a network's loss over a data set, as matrix-free linear operators (SPEC 4).
+"""Curvature of a network's loss over a data set, as matrix-free operators (docs/curvature.md).
 
 Every operator is a :class:`CurvatureLinearOperator`: ``A @ X`` on flat vectors and matrices,
 lists of per-parameter tensors and NumPy arrays; lazy ``A + B``, ``A - B``, ``c * A``,

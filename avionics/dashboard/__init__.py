@@ -1,4 +1,4 @@
-"""The cockpit dashboard (SPEC section 3): a matplotlib figure from a run log or a live
+"""The cockpit dashboard (docs/cockpit.md, section 3): a matplotlib figure from a run log or a live
 cockpit, its secondary screen, the layer-health screen (:func:`plot_health`), and a live mode
 that redraws during training."""
 

@@ -1,5 +1,5 @@
 """The primary screen: STEP SIZE, GRADIENTS and CURVATURE columns over a bottom row of
-hyperparameters and performance (SPEC section 3)."""
+hyperparameters and performance (docs/cockpit.md, section 3)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
         losses = F.cross_entropy(self(x), y, reduction="none")
         return {"loss": losses.mean(), "individual_losses": losses}
 
-Where the callback enters the cockpit's protocol (SPEC section 1): every backward Lightning
+Where the callback enters the protocol (docs/cockpit.md, section 1): every backward Lightning
 runs goes through ``trainer.strategy.backward(loss, optimizer, **kwargs)`` (the automatic
 loop's closure, and ``self.manual_backward`` in manual optimisation). For the fit, the
 callback wraps that method of the trainer's strategy and runs it inside

@@ -29,7 +29,7 @@ predicted tokens: the model's mean, divided by k). The individual loss of sequen
     l_n = S * (sum of sequence n's token cross entropies) / Z,
 
 so the step's loss, the sum of the k backpropagated b, is the mean of the l_n over the S
-sequences and the step's gradient is their mean gradient (SPEC section 2: a sample is a
+sequences and the step's gradient is their mean gradient (docs/definitions.md: a sample is a
 sequence). With one micro-batch of N sequences and ``num_items_in_batch``, l_n = N * (the
 sequence's summed cross entropy) / (the batch's counted tokens): a sequence's share of the
 token-averaged loss, times N; a padded sequence weighs by its number of predicted tokens.

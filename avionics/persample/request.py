@@ -1,7 +1,7 @@
 """What quantities ask of the per-sample gradients, and what the engine hands back.
 
-Notation (SPEC section 2): g_n is the gradient of the loss l_n of sample n, for one parameter
-at a time; the engine never holds all g_n of the network at once.
+Notation (docs/definitions.md, section 1): g_n is the gradient of the loss l_n of sample n,
+for one parameter at a time; the engine never holds all g_n of the network at once.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The cockpit's instruments, one small module per idea (see SPEC section 2), and the public
+"""The cockpit's instruments, one small module per idea (docs/definitions.md), and the public
 protocol to write your own (:mod:`avionics.quantities.base`)."""
 
 from avionics.persample import Request, Statistics

@@ -1,4 +1,4 @@
-"""Alpha: the normalized step length of a noise-aware quadratic fit (SPEC section 2).
+"""Alpha: normalized step length of a noise-aware quadratic fit (docs/definitions.md, section 7).
 
 Along the update s = theta_{t+1} - theta_t, tau = ||s||, four observations of the loss f(x) =
 L(theta_t + x s / tau) on [0, tau]: f_0, f_1 (mini-batch losses at t and t+1), df_0, df_1
@@ -69,7 +69,20 @@ class Alpha(TwoStepQuantity):
     """The normalized step length of the noise-aware quadratic fit of the mean loss over the
     batch along the update (see the module docstring): 0 means the step landed on the fitted
     minimum, 1 that it jumped to the mirror point, -1 no motion or no minimum; nan when the
-    observations are not finite. Stored under the start step t."""
+    observations are not finite. Stored under the start step t.
+
+    Example:
+        A value needs the next tracked step: of three steps, steps 0 and 1 get one. A small
+        learning rate stops far short of the fitted minimum (alpha near -1).
+
+        >>> from avionics.demo import example_run
+        >>> from avionics.quantities import Alpha
+        >>> output = example_run([Alpha()], steps=3, lr=0.1)
+        >>> [step for step in output if "Alpha" in output[step]]
+        [0, 1]
+        >>> round(output[0]["Alpha"], 1)
+        -0.9
+    """
 
     info_keys = ("individual_losses", "batch_size", "optimizer")
 
@@ -393,8 +406,8 @@ def _unit_step(data: StepData, grad_norm: Tensor, g_norm: Tensor) -> list:
 
 
 def fit_alpha(tau: float, f, df, var_f, var_df) -> float:
-    """Alpha from the weighted least-squares quadratic fit of SPEC section 2; nan when an
-    observation, a variance or tau is not finite (there is nothing to fit)."""
+    """Alpha from the weighted least-squares quadratic fit of docs/definitions.md, section 7;
+    nan when an observation, a variance or tau is not finite (there is nothing to fit)."""
     if not all(map(math.isfinite, [tau, *f, *df, *var_f, *var_df])):
         return math.nan
     x = np.array([[1.0, 0.0, 0.0], [1.0, tau, tau**2], [0.0, 1.0, 0.0], [0.0, 1.0, 2.0 * tau]])

@@ -1,4 +1,4 @@
-"""The curvature-diagonal instruments: HessTrace, TICDiag, TICTrace (SPEC section 2).
+"""Curvature-diagonal instruments: HessTrace, TICDiag, TICTrace (docs/definitions.md, section 9).
 
 HessMaxEV has its own module, :mod:`avionics.quantities.hess_max_ev`. All three set
 ``create_graph = True``: pass ``loss.backward(create_graph=cockpit.create_graph(step))``. The

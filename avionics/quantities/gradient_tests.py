@@ -104,7 +104,21 @@ class NormTest(_GradientTest):
     """Norm test (Byrd et al. 2012): sqrt( sum_n ||g_n - g||^2 / ((N-1) N ||g||^2) ), the
     relative standard error of the mini-batch gradient (of the mean loss over the batch; the
     same for a sum-reduced loss); nan with a warning when g = 0. It needs only the per-sample
-    norms: sum_n ||g_n - g||^2 = sum_n ||g_n||^2 - N ||g||^2."""
+    norms: sum_n ||g_n - g||^2 = sum_n ||g_n||^2 - N ||g||^2.
+
+    Example:
+        The three tests split the same noise: NormTest^2 = InnerTest^2 + OrthoTest^2, the
+        parts of g_n - g along g and across it.
+
+        >>> from avionics.demo import example_run
+        >>> from avionics.quantities import InnerTest, NormTest, OrthoTest
+        >>> values = example_run([NormTest(), InnerTest(), OrthoTest()])[0]
+        >>> round(values["NormTest"], 2)
+        0.73
+        >>> parts = values["InnerTest"] ** 2 + values["OrthoTest"] ** 2
+        >>> abs(values["NormTest"] ** 2 - parts) < 1e-12
+        True
+    """
 
     def request(self, step: int) -> Request:
         return Request(sq_norms=True)

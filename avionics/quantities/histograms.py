@@ -1,4 +1,4 @@
-"""Histograms of the per-sample gradient elements g_{n,d} (SPEC section 2).
+"""Histograms of the per-sample gradient elements g_{n,d} (docs/definitions.md, section 8).
 
 * ``GradHist1d``: all N * D elements g_{n,d}; default 100 bins on [-2, 2].
 * ``GradHist2d``: all pairs (g_{n,d}, theta_d); default 40 x 50 bins on [-1, 1] x [-2, 2];
@@ -171,6 +171,18 @@ class GradHist1d(_Histogram):
         adapt: None, or ``GradAbsMax(padding, min_size)`` / ``ParamAbsMax(...)``.
 
     Value: ``{"hist": counts [bins], "edges": [bins + 1 edges]}``.
+
+    Example:
+        Every one of the N * D per-sample gradient elements is counted once: 16 samples of a
+        4-8-3 MLP with D = 67 parameters give 1072 counts in 100 bins on [-2, 2].
+
+        >>> from avionics.demo import example_run
+        >>> from avionics.quantities import GradHist1d
+        >>> histogram = example_run([GradHist1d()], steps=1)[0]["GradHist1d"]
+        >>> int(sum(histogram["hist"])), len(histogram["hist"]), len(histogram["edges"])
+        (1072, 100, 101)
+        >>> histogram["edges"][0], histogram["edges"][-1]
+        (-2.0, 2.0)
     """
 
     output = HISTOGRAM_1D

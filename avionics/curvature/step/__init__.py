@@ -1,6 +1,6 @@
 """Curvature diagonals of the mini-batch mean loss from one captured, graph-keeping step.
 
-Three diagonals h of the Hessian of L = mean_n l_n (SPEC section 2, TIC and HessTrace), one
+Three diagonals h of the Hessian of L = mean_n l_n (docs/definitions.md, section 9), one
 idea per module:
 
 * :mod:`~avionics.curvature.step.ggn_diagonal`: ``"diag_ggn_exact"`` and ``"diag_ggn_mc"``,
