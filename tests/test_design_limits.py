@@ -109,8 +109,8 @@ def test_no_function_passes_20_branches():
         ("def f(x):\n    with x:\n        if x:\n            pass\n", 1),
         ("def f(x):\n    match x:\n        case 1:\n            pass\n        case _:\n"
          "            pass\n", 2),
-        ("def f(x):\n    def g():\n        if x:\n            pass\n    return [y for y in x if y]\n",
-         0),
+        ("def f(x):\n    def g():\n        if x:\n            pass\n"
+         "    return [y for y in x if y]\n", 0),
     ],
 )  # fmt: skip
 def test_the_branch_count_follows_its_rule(source, expected):
