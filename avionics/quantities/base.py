@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
-from avionics.quantities.outputs import SCALAR, Output
+from avionics.records.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
 
 # The info key every non-empty request implies: the per-sample losses give N and whether the
