@@ -91,6 +91,8 @@ def merged_calls(per_part: list[dict], sizes: list[int], factors: list[float]) -
 
 
 def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float]) -> ModuleCall:
+    """Call j of one module in each micro-batch, as one call on their concatenated batch
+    (see :func:`merged_calls`)."""
     first = calls[0]
     axis = first.batch_axis
 

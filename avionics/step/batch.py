@@ -96,6 +96,10 @@ class OneProcess:
     def __init__(self, params: list, world: World):
         self.params, self.world = params, world
 
+    def parameters(self) -> list[Tensor]:
+        """The tracked parameters' values, detached."""
+        return [p.detach() for p in self.params]
+
     def batch(self, loss: Tensor, reduction: str, n: int | None) -> Batch:
         """The step's loss, batch size and finiteness."""
         return Batch(loss, n, (n,), bool(torch.isfinite(loss)))

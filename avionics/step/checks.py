@@ -260,6 +260,7 @@ def check_backward(step: int, active: list, params: list[Tensor]) -> None:
 
 
 def check_quantities(quantities: list) -> None:
+    """Each is a quantity, and no class comes twice (values are stored under its name)."""
     names = set()
     for q in quantities:
         if not isinstance(q, Quantity):
@@ -291,6 +292,7 @@ def check_sinks(sinks: list, log, exist: str, fsync: bool) -> None:
 
 
 def as_list(quantities) -> list:
+    """``Cockpit(quantities=...)`` as a list (a single quantity is refused, with the fix)."""
     if isinstance(quantities, Quantity):
         raise TypeError(
             f"Cockpit(quantities=...) takes a list of quantities, got a single {quantities.name}: "
@@ -306,6 +308,8 @@ def as_list(quantities) -> list:
 
 
 def tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], list[str]]:
+    """The parameters to track and their names: ``params`` (each once, of the model,
+    requiring grad), or every parameter of the model that requires grad."""
     named = {id(p): name for name, p in model.named_parameters()}
     if params is None:
         chosen = [p for p in model.parameters() if p.requires_grad]
@@ -332,4 +336,5 @@ def tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], li
 
 
 def is_step(step) -> bool:
+    """Whether ``step`` is a step number: a non-negative int."""
     return isinstance(step, int) and not isinstance(step, bool) and step >= 0

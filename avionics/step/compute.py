@@ -14,7 +14,6 @@ from typing import Any
 
 from avionics.persample.step import factorable
 from avionics.quantities.base import StepData
-from avionics.step.batch import local
 from avionics.step.values import Batch, Combined, Entry
 
 
@@ -41,7 +40,7 @@ def compute(
     mean_grad = grads if reduction == "mean" or n is None else [g / n for g in grads]
     data = StepData(
         step=entry.step,
-        params=[local(p).detach() for p in params],
+        params=processes.parameters(),
         names=names,
         loss=batch.loss,
         info=entry.info,

@@ -36,6 +36,10 @@ class DataParallel:
         self._no_sync = None  # DDP's no_sync(), while entered
         self._ddp_average: list[Tensor] | None = None
 
+    def parameters(self) -> list[Tensor]:
+        """The tracked parameters' values (this process's shards under FSDP), detached."""
+        return [local(p).detach() for p in self.params]
+
     def batch(self, loss: Tensor, reduction: str, n: int | None) -> Batch:
         """The step's loss, batch size and finiteness over every process (one collective of
         two numbers per process when there are several)."""

@@ -47,16 +47,11 @@ class Entry:
     loss: Tensor | None = None
     batch: Batch | None = None
     finite: bool = True
+    single: bool = field(init=False)  # the step is one batch (micro_batches == 1)
+    last: bool = field(init=False)  # this is the step's last micro-batch
 
-    @property
-    def single(self) -> bool:
-        """Whether the step is one batch (micro_batches == 1)."""
-        return self.k == 1
-
-    @property
-    def last(self) -> bool:
-        """Whether this is the step's last micro-batch."""
-        return self.index == self.k - 1
+    def __post_init__(self):
+        self.single, self.last = self.k == 1, self.index == self.k - 1
 
 
 @dataclass
