@@ -1,4 +1,5 @@
-"""Design limits of the package: no module over 700 lines, no function over 20 branches.
+"""Design limits of the package: no module over 700 lines, no function over 20 branches, and
+a plain tracked step (one batch, one process) that runs no accumulation or data-parallel code.
 
 Past either limit a module or function holds more than one concern (the project's standard:
 split it by concern). Branches are counted as ruff's ``PLR0912`` (pylint's too-many-branches)
@@ -123,3 +124,40 @@ def test_the_checks_see_the_package():
         path.read_text(encoding="utf-8")))}  # fmt: skip
     assert len(found) > 500
     assert max(found.values()) > 5
+
+
+def _step_modules(micro_batches: int) -> set[str]:
+    """The avionics/step modules whose code runs in one tracked step of ``micro_batches``."""
+    import sys
+
+    import torch
+
+    from avionics import Cockpit, quantities
+    from tests import models
+
+    model, X, y, loss_fn = models.mlp(n=6)
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.GradNorm(), quantities.NormTest()])
+    seen: set[str] = set()
+
+    def profile(frame, event, arg):
+        if event == "call" and (path := Path(frame.f_code.co_filename)).parent == PACKAGE / "step":
+            seen.add(path.stem)
+
+    sys.setprofile(profile)
+    try:
+        for i, (Xi, yi) in enumerate(zip(X.chunk(micro_batches), y.chunk(micro_batches))):
+            losses = loss_fn(model(Xi), yi)
+            info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(yi)}
+            with cockpit(0, info, micro_batch=i, micro_batches=micro_batches):
+                (losses.mean() / micro_batches).backward()
+    finally:
+        sys.setprofile(None)
+    assert torch.isfinite(torch.tensor(cockpit.get_output()[0]["NormTest"]))
+    return seen
+
+
+def test_a_plain_step_runs_no_accumulation_or_data_parallel_code():
+    plain = _step_modules(micro_batches=1)
+    assert {"checks", "batch", "compute", "output"} <= plain
+    assert plain.isdisjoint({"accumulation", "parallel"})
+    assert "accumulation" in _step_modules(micro_batches=2)
