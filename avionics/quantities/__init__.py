@@ -32,6 +32,7 @@ from avionics.quantities.preconditioned_sharpness import PreconditionedSharpness
 from avionics.quantities.update_ratio import UpdateRatio
 from avionics.quantities.update_size import UpdateSize
 from avionics.quantities.variance import CABS, EarlyStopping, MeanGSNR
+from avionics.records.outputs import BUILTIN_OUTPUTS  # (each class's output, by name)
 
 BUILTIN = (
     ActivationHealth,
@@ -62,9 +63,6 @@ BUILTIN = (
     UpdateRatio,
     UpdateSize,
 )
-# How the values of the built-in quantities read, for logs whose metadata does not say
-# (older logs, the reference tool's JSON logs).
-BUILTIN_OUTPUTS: dict[str, Output] = {cls.__name__: cls.output for cls in BUILTIN}
 
 __all__ = [
     "ActivationHealth",

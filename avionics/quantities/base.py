@@ -1,6 +1,6 @@
 """The protocol every cockpit instrument follows (public: write your own).
 
-A :class:`Quantity` has a schedule and, for each step it is active at, three hooks that the
+A :class:`Quantity` has a schedule and, for each step it is active at, four hooks that the
 cockpit calls in this order:
 
 1. ``request(step) -> Request``, before the forward of the step is captured: the per-sample
@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
-from avionics.quantities.outputs import SCALAR, Output
+from avionics.records.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
 
 # The info key every non-empty request implies: the per-sample losses give N and whether the
@@ -165,7 +165,7 @@ class StepData:
 
 
 class Quantity:
-    """Base class of the cockpit's instruments: a schedule and the three hooks above.
+    """Base class of the cockpit's instruments: a schedule and the four hooks above.
 
     Subclasses set ``info_keys`` (keys of ``info`` they read besides ``"loss"``; those their
     request implies are added by :meth:`required_info`), ``create_graph`` (True when they

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from avionics.quantities import BUILTIN_OUTPUTS
-from avionics.quantities.outputs import SCALAR, TENSORS, Output, is_number
+from avionics.records.outputs import BUILTIN_OUTPUTS, SCALAR, TENSORS, Output, is_number
 
 
 @dataclass
@@ -46,7 +45,7 @@ class Run:
     @property
     def outputs(self) -> dict[str, Output]:
         """How each quantity's value reads, as the metadata declares it (``{"outputs": {name:
-        description}}``, see :mod:`avionics.quantities.outputs`)."""
+        description}}``, see :mod:`avionics.records.outputs`)."""
         declared = self.metadata.get("outputs")
         if not isinstance(declared, dict):
             return {}
@@ -80,7 +79,7 @@ def output_of(name: str, declared: dict[str, Output], value=None) -> Output:
     """How the values stored under ``name`` read: as ``declared`` (by a log's metadata), else
     as the built-in quantity of that name declares it (older logs, the reference tool's), else
     a scalar for a number (an epoch-level metric from ``cockpit.log``), else
-    :data:`~avionics.quantities.outputs.TENSORS`."""
+    :data:`~avionics.records.outputs.TENSORS`."""
     if name in declared:
         return declared[name]
     if name in BUILTIN_OUTPUTS:

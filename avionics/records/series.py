@@ -1,7 +1,7 @@
 """Per-step series of a run: one float per step for every scalar quantity or metric, and
 layers x steps arrays of the per-parameter ones.
 
-Each value is read through its quantity's declared output (:mod:`avionics.quantities.outputs`):
+Each value is read through its quantity's declared output (:mod:`avionics.records.outputs`):
 per-parameter values reduce to their global value as declared (the root-sum-of-squares of
 norms, the sum of traces); histograms and parameter copies have no scalar value.
 
@@ -9,7 +9,7 @@ A per-parameter value also reads per module (:func:`per_module`): the parameters
 ``0.weight`` and ``0.bias`` in the log's metadata belong to module ``0``, and a module's value
 is its parameters' reduced as the quantity declares (the RSS of their norms, the sum of their
 traces), the value the module would have as the only part of the model. A per-layer ratio
-(:data:`~avionics.quantities.outputs.PER_LAYER`, e.g. ``NormTest(per_layer=True)``) has no such
+(:data:`~avionics.records.outputs.PER_LAYER`, e.g. ``NormTest(per_layer=True)``) has no such
 reduction: it reads per parameter only.
 """
 

@@ -4,7 +4,7 @@ A sink receives each finished step's values once they are plain Python (numbers,
 dicts: see :func:`avionics.records.encoding.to_python`), and the run's metadata: the whole of
 it when the cockpit starts, and what is learnt later (the optimizer, at the first step). The
 metadata's ``"outputs"`` say how each quantity's value reads (see
-:mod:`avionics.quantities.outputs`). The run log (:class:`~avionics.records.RunWriter`) and
+:mod:`avionics.records.outputs`). The run log (:class:`~avionics.records.RunWriter`) and
 TensorBoard (:class:`~avionics.records.TensorBoardWriter`) are sinks; so is any object with
 these three methods.
 """

@@ -1,6 +1,6 @@
 """TensorBoard sink: scalars and histograms of a run as TensorBoard event files.
 
-Values are read through their quantity's declared output (:mod:`avionics.quantities.outputs`):
+Values are read through their quantity's declared output (:mod:`avionics.records.outputs`):
 every value with a scalar becomes a scalar under its name; per-parameter values also get
 ``Name/param_<i>``. A 1d histogram becomes a histogram; a 2d one becomes its two marginal
 histograms, ``Name/gradient`` and ``Name/parameter`` (axis 0, axis 1). Needs the
@@ -14,7 +14,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
-from avionics.quantities.outputs import Output
+from avionics.records.outputs import Output
 from avionics.records.run import Run, output_of
 
 

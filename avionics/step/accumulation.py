@@ -1,0 +1,162 @@
+"""Gradient accumulation: k micro-batches of an optimiser step as one batch of their samples.
+
+Micro-batch i of a step has its own forward and backward (of c_i times its loss). When the
+last leaves its block, :func:`accumulated` combines them: N = sum_i N_i; for a mean-reduced
+loss, weights w_i = N_i / N (the step's loss is the mean over all its samples, sum_i w_i L_i),
+for a sum w_i = 1; the gradient is sum_i (w_i / c_i) grad_i; and the captured calls are merged
+into those of one forward of the concatenated batch (:func:`merged_calls`), micro-batch i's
+output gradients multiplied by f_i = (N_i for a mean, else 1) / c_i, so that the per-sample
+gradients g_n are those of the one batch.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from avionics.persample.capture import ModuleCall
+from avionics.quantities.base import MicroBatch
+from avionics.step.precision import check_inputs_unchanged, check_rtol, detached_losses, in_float32
+from avionics.step.values import Combined, Part
+
+
+def accumulated(parts: list[Part], params: list, engine) -> Combined:
+    """What the step's micro-batches add up to: their batch, loss and gradients as if they
+    were one batch, each micro-batch's backward scale divided out (also the gradients with
+    their graph, where their backwards kept one, for the curvature quantities)."""
+    reduction = parts[0].reduction
+    scales = [part.scale() for part in parts]
+    n = sum(part.n for part in parts)
+    weights = [part.n / n if reduction == "mean" else 1.0 for part in parts]
+    # micro-batch i's g_n is its captured output gradient times f_i (as for one batch)
+    factors = [(part.n if reduction == "mean" else 1) / c for part, c in zip(parts, scales)]
+    loss = sum(w * part.loss.double() for w, part in zip(weights, parts)).to(parts[0].loss)
+    per_unit = [w / c for w, c in zip(weights, scales)]
+    gradients = weighted_sum([part.gradients for part in parts], per_unit)
+    graphs = gradients
+    if parts[0].graph is not None:
+        graphs = weighted_sum([part.graph for part in parts], per_unit)
+    calls, micro_batches, cast = None, None, None
+    if all(part.capture is not None for part in parts):
+        per_part = [part.capture.calls_by_module() for part in parts]
+        for part_calls in per_part:
+            check_inputs_unchanged(part_calls, engine)
+        micro_batches = [
+            MicroBatch(part_calls, part.info["individual_losses"], part.n / n)
+            for part_calls, part in zip(per_part, parts)
+        ]
+        casts = [in_float32(part_calls, engine) for part_calls in per_part]
+        cast = next((c for c in casts if c is not None), None)
+        calls = merged_calls(per_part, [part.n for part in parts], factors)
+    return Combined(
+        single=False,
+        scale=1.0,
+        scaled=any(c != 1 for c in scales),
+        loss=loss,
+        n=n,
+        individual_losses=torch.cat([detached_losses(part.info) for part in parts]),
+        gradients=gradients,
+        graph=graphs,
+        calls=calls,
+        factor=1.0,
+        check=weighted_sum([part.gradients for part in parts], factors),
+        check_rtol=check_rtol(cast),
+        unsynced=[p.grad.detach() if p.grad is not None else None for p in params],
+        micro_batches=micro_batches,
+    )
+
+
+def merged_calls(per_part: list[dict], sizes: list[int], factors: list[float]) -> dict:
+    """The calls of k micro-batches' forwards as those of one forward of their concatenated
+    batch: call j of each module is the concatenation along the batch axis of the
+    micro-batches' calls j (tensors that do not carry a micro-batch's samples, such as a
+    position table's indices, are taken from the first), micro-batch i's output gradients
+    multiplied by f_i, so that the merged calls' output-gradient factor is 1. The merged calls
+    have no graph of their own: the curvature quantities read each micro-batch's."""
+    modules = list(per_part[0])
+    for i, part in enumerate(per_part[1:], start=1):
+        if set(part) != set(modules) or any(len(part[m]) != len(per_part[0][m]) for m in modules):
+            raise RuntimeError(
+                f"Micro-batch {i} called the model's modules differently from micro-batch 0 "
+                "(other modules, or a module another number of times): the step's micro-batches "
+                "must run the same forward on their own samples."
+            )
+    return {
+        m: [merged_call(calls, sizes, factors) for calls in zip(*(part[m] for part in per_part))]
+        for m in modules
+    }
+
+
+def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float]) -> ModuleCall:
+    """Call j of one module in each micro-batch, as one call on their concatenated batch
+    (see :func:`merged_calls`)."""
+    first = calls[0]
+    axis = first.batch_axis
+
+    def batched(ts) -> bool:
+        return all(
+            t.dim() > axis
+            and t.shape[axis] == n
+            and t.shape[:axis] + t.shape[axis + 1 :]
+            == ts[0].shape[:axis] + ts[0].shape[axis + 1 :]
+            for t, n in zip(ts, sizes)
+        )
+
+    def merged(values):
+        if isinstance(values[0], Tensor) and all(isinstance(v, Tensor) for v in values):
+            if batched(values):
+                return torch.cat(values, axis)
+        return values[0]
+
+    flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
+    spec = flat[0][1]
+    args, kwargs = pytree.tree_unflatten(
+        [merged(values) for values in zip(*(leaves for leaves, _ in flat))], spec
+    )
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    outputs, grad_outputs = [], []
+    for j, out in enumerate(first.outputs):
+        shapes = [c.outputs[j].shape for c in calls]
+        shape = list(out.shape)
+        if len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes)):
+            shape[axis] = sum(sizes)
+        outputs.append(copy.copy(out))
+        outputs[-1].shape = torch.Size(shape)
+        grads = [c.grad_outputs[j] for c in calls]
+        if all(g is None for g in grads):
+            grad_outputs.append(None)
+            continue
+        grad_outputs.append(
+            torch.cat(
+                [
+                    g * f if g is not None else torch.zeros(s, dtype=out.dtype, device=out.device)
+                    for g, f, s in zip(grads, factors, shapes)
+                ],
+                axis,
+            )
+        )
+    call = ModuleCall(
+        module=first.module,
+        args=args,
+        kwargs=kwargs,
+        outputs=outputs,
+        nodes=first.nodes,  # (only counted: the merged call's graph is not read)
+        node_outputs=first.node_outputs,
+        batch_axis=axis,
+        inputs=inputs,
+        input_versions=[t._version for t in inputs],
+    )
+    call.grad_outputs = grad_outputs
+    return call
+
+
+def weighted_sum(lists: list[list[Tensor | None] | None], weights: list[float]) -> list:
+    """sum_i w_i t_i per parameter (None where no t_i is)."""
+    out = []
+    for k in range(len(next(l for l in lists if l is not None))):
+        terms = [(w, l[k]) for l, w in zip(lists, weights) if l is not None and l[k] is not None]
+        out.append(sum(w * t for w, t in terms) if terms else None)
+    return out

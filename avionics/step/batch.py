@@ -1,0 +1,134 @@
+"""One batch (micro_batches == 1), and the step on one process: the plain step's straight path.
+
+The backward's gradients are recorded by hooks on the tracked parameters where ``p.grad`` will
+not hold them as the backward made them (:func:`record_gradients`); the step's one batch is
+its :class:`~avionics.step.values.Combined` (:func:`one_batch`); on one process the global
+batch is the local one (:class:`OneProcess`; :class:`~avionics.step.parallel.DataParallel`
+under data parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from avionics.distributed import World
+from avionics.step.precision import (
+    all_finite,
+    check_rtol,
+    detached_losses,
+    in_float32,
+    unscaled,
+)
+from avionics.step.values import Batch, Combined, Part
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This process's part of a (sharded) parameter or gradient."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def zeros_where_none(tensors, params) -> list[Tensor]:
+    """``tensors``, with zeros of the (local) parameter's shape where one is None."""
+    return [
+        t if t is not None else torch.zeros_like(local(p))
+        for t, p in zip(tensors, params, strict=True)
+    ]
+
+
+def record_gradients(part: Part, params: list, copy: bool, graph: bool) -> list:
+    """Hooks that keep in ``part.gradients`` (and, with ``graph``, ``part.graph``) the
+    gradient each parameter receives in the backward: copied with ``copy`` (DDP may overwrite
+    the tensor its hook saw with the average, and a later micro-batch's backward adds into
+    it). Returns the hooks' handles."""
+    part.gradients = [None] * len(params)
+    part.graph = [None] * len(params) if graph else None
+    return [p.register_hook(_store(part, k, copy)) for k, p in enumerate(params)]
+
+
+def _store(part: Part, k: int, copy: bool):
+    def store(grad):
+        part.gradients[k] = grad.detach().clone() if copy else grad.detach()
+        if part.graph is not None:  # (a backward with create_graph adds out of place)
+            part.graph[k] = grad
+
+    return store
+
+
+def one_batch(part: Part, params: list, engine, graph: bool, several: bool) -> Combined:
+    """The step's one batch: its loss, gradients (the backward scale c divided out; with
+    ``graph`` also with their graph, for the curvature quantities) and captured calls.
+    ``several``: under data parallelism, where ``p.grad`` may hold DDP's average."""
+    c = part.scale()
+    # p.grad with one process; under data parallelism what this process's backward gave
+    # each parameter (DDP's average is in p.grad)
+    raw = part.gradients
+    if raw is None or not several:
+        raw = [local(p.grad).detach() if p.grad is not None else None for p in params]
+    gradients = [unscaled(g, c) for g in raw]
+    calls, cast = None, None
+    if part.capture is not None:
+        calls = part.capture.calls_by_module()
+        cast = in_float32(calls, engine)
+    return Combined(
+        single=True,
+        scale=c,
+        loss=part.loss,
+        n=part.n,
+        individual_losses=detached_losses(part.info),
+        gradients=gradients,
+        graph=[unscaled(p.grad, c) for p in params] if graph else gradients,
+        calls=calls,
+        # a mean-reduced loss backpropagates c dl_n/dout / N: the factor N / c undoes it
+        factor=None if part.n is None else (part.n if part.reduction == "mean" else 1) / c,
+        check=part.gradients,
+        check_rtol=check_rtol(cast),
+        unsynced=raw,
+    )
+
+
+class OneProcess:
+    """The step on one process: the global batch is this process's. The same methods as
+    :class:`~avionics.step.parallel.DataParallel`, each the identity."""
+
+    sharded = False
+
+    def __init__(self, params: list, world: World):
+        self.params, self.world = params, world
+
+    def parameters(self) -> list[Tensor]:
+        """The tracked parameters' values, detached."""
+        return [p.detach() for p in self.params]
+
+    def batch(self, loss: Tensor, reduction: str, n: int | None) -> Batch:
+        """The step's loss, batch size and finiteness."""
+        return Batch(loss, n, (n,), bool(torch.isfinite(loss)))
+
+    def check_batch(self, step: int, batch: Batch) -> None:
+        """Nothing to check of one process's batch."""
+
+    def gradients(self, combined: Combined, reduction: str, batch: Batch) -> list[Tensor]:
+        """The gradient of the loss, per tracked parameter (zeros where none arrived)."""
+        return zeros_where_none(combined.gradients, self.params)
+
+    def local_gradients(self, combined: Combined) -> None:
+        """No gradient of the process's own loss apart from the global one."""
+        return None
+
+    def finite(self, gradients: list[Tensor | None]) -> bool:
+        """Whether the gradients are finite."""
+        return all_finite(gradients)
+
+    def statistics(self, captured, request, directions: dict):
+        """The step's per-sample statistics."""
+        return captured.statistics(request, directions)
+
+    def add(self, sums: dict) -> dict:
+        """The quantities' sums (nothing to add)."""
+        return sums
+
+    def average_unsynced(self, gradients) -> None:
+        """Nothing to average."""
+
+    def no_sync(self, needed: bool) -> None:
+        """No DDP to keep from synchronising."""
