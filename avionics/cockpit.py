@@ -1,4 +1,4 @@
-"""The Cockpit: instruments read inside the user's own training loop (SPEC section 1).
+"""The Cockpit: instruments read inside the user's own training loop (docs/cockpit.md, section 1).
 
     with cockpit(step, info={"loss": loss, "individual_losses": losses, ...}):
         loss.backward(create_graph=cockpit.create_graph(step))

@@ -1,4 +1,5 @@
-"""Gradient accumulation: k micro-batches per optimizer step, one block each (SPEC section 1).
+"""Gradient accumulation: k micro-batches per optimizer step, one block each
+(docs/definitions.md, section 2).
 
 ``with cockpit(step, info_i, micro_batch=i, micro_batches=k):`` around micro-batch i's own
 backward; the step's values are those of one batch made of the k micro-batches, exactly.

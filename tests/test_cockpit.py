@@ -1,4 +1,4 @@
-"""The cockpit protocol (SPEC section 1) and its errors (SPEC section 5)."""
+"""The cockpit protocol and its errors (docs/cockpit.md, sections 1 and 4)."""
 
 import gc
 import pydoc
@@ -346,9 +346,9 @@ def test_help_of_a_call_shows_the_protocol():
 
 
 def alpha_by_definition(before, after, losses_at, per_sample_at) -> float:
-    """Alpha of SPEC section 2 from the measured update theta_after - theta_before: the
-    per-sample losses and gradients (by a loop over samples) at both ends, the fit by its
-    normal equations."""
+    """Alpha (docs/definitions.md, section 7) from the measured update theta_after -
+    theta_before: the per-sample losses and gradients (by a loop over samples) at both ends,
+    the fit by its normal equations."""
     s = torch.cat([(a - b).reshape(-1) for a, b in zip(after, before, strict=True)])
     tau = float(s.norm())
     u = s / tau

@@ -1,7 +1,7 @@
 """The cockpit under data parallelism: on every process, each quantity equals a single process
 run on the concatenated batch (float64), with DistributedDataParallel and its options, equal
 and unequal per-process batches, 2 and 3 gloo processes, gradient accumulation in each process
-(SPEC section 2, avionics.distributed).
+(docs/definitions.md, section 2; avionics.distributed).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Scaled backwards, torch.amp.GradScaler and autocast (SPEC section 1).
+"""Scaled backwards, torch.amp.GradScaler and autocast (docs/definitions.md, section 2).
 
 The backward may be of any positive multiple c * info["loss"]; the cockpit measures c and
 every value is of the gradient of info["loss"] itself. Under autocast every statistic is

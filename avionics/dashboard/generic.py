@@ -11,7 +11,7 @@ from matplotlib.axes import Axes
 
 from avionics.dashboard.gradients import hist2d_panel
 from avionics.dashboard.style import BLUE, empty_panel, series_plot, style_panel
-from avionics.quantities import BUILTIN_OUTPUTS
+from avionics.records.outputs import BUILTIN_OUTPUTS
 from avionics.records.series import latest, series
 
 

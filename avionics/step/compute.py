@@ -1,10 +1,10 @@
 """The quantities' values of a finished step, from one :class:`~avionics.quantities.StepData`.
 
-In order (SPEC section 1): the step's data (the global gradient, the mean gradient g), the
-captured step of the per-sample engine where some quantity asked for per-sample statistics,
-each quantity's ``prepare`` (the directions it projects onto), the merged request's
-statistics in one call, each quantity's ``sums`` added over the processes in one packed
-all-reduce, and each quantity's ``compute``.
+In order (docs/cockpit.md, section 1): the step's data (the global gradient, the mean
+gradient g), the captured step of the per-sample engine where some quantity asked for
+per-sample statistics, each quantity's ``prepare`` (the directions it projects onto), the
+merged request's statistics in one call, each quantity's ``sums`` added over the processes
+in one packed all-reduce, and each quantity's ``compute``.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def test_hessian_trace_and_tic_diagonal_equal_the_dense_hessian(build):
     torch.testing.assert_close(
         torch.tensor(output["HessTrace"], dtype=torch.float64), traces, rtol=1e-7, atol=1e-10
     )
-    # TICDiag = sum_d E[g_d^2] / (h_d + eps), eps = 1e-7 (SPEC section 2)
+    # TICDiag = sum_d E[g_d^2] / (h_d + eps), eps = 1e-7 (docs/definitions.md, section 9)
     g = models.per_sample_gradients(model, X, y, loss_fn)
     m2 = torch.cat([t.pow(2).mean(0).reshape(-1) for t in g])
     assert output["TICDiag"] == pytest.approx(float((m2 / (h + 1e-7)).sum()), rel=1e-6)
