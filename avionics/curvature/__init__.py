@@ -15,7 +15,8 @@ from avionics.curvature.ef import EFOperator
 from avionics.curvature.ggn import GGNOperator
 from avionics.curvature.hessian import HessianOperator
 from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOperator
-from avionics.curvature.kfac import EKFACOperator, KFACInverseOperator, KFACOperator
+from avionics.curvature.kfac import EKFACOperator, KFACOperator
+from avionics.curvature.kfac_inverse import KFACInverseOperator
 from avionics.curvature.mc_fisher import MCFisherOperator
 
 __all__ = [
