@@ -6,21 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from curvature_problems import dense_hessian, problem
+from test_algorithms_estimators import Op
 
 from avionics.curvature import GGNOperator, HessianOperator
 from avionics.curvature.algorithms import approximate_boundaries, spectral_density
 
 DT = torch.float64
-
-
-class Counting:
-    def __init__(self, A):
-        self._A, self.shape, self.dtype, self.device = A, A.shape, A.dtype, A.device
-        self.products = 0
-
-    def __matmul__(self, X):
-        self.products += 1 if X.ndim == 1 else X.shape[1]
-        return self._A @ X
 
 
 def indefinite(D=200, seed=0):
@@ -34,7 +25,7 @@ def indefinite(D=200, seed=0):
 def test_the_interval_holds_the_spectrum_of_a_dense_matrix():
     A = indefinite()
     exact = torch.linalg.eigvalsh(A)
-    operator = Counting(A)
+    operator = Op(A)
     lower, upper = approximate_boundaries(operator, 20, seed=1)
     assert operator.products == 20
     assert lower <= float(exact[0]) and float(exact[-1]) <= upper
