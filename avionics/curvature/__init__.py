@@ -18,6 +18,7 @@ from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOper
 from avionics.curvature.kfac import EKFACOperator, KFACOperator
 from avionics.curvature.kfac_inverse import KFACInverseOperator
 from avionics.curvature.mc_fisher import MCFisherOperator
+from avionics.curvature.submatrix import SubmatrixOperator
 
 __all__ = [
     "ActivationHessianOperator",
@@ -31,6 +32,7 @@ __all__ = [
     "KFACInverseOperator",
     "KFACOperator",
     "MCFisherOperator",
+    "SubmatrixOperator",
     "TransposedJacobianOperator",
     *algorithms.__all__,
 ]

@@ -3,8 +3,9 @@ squared Frobenius norm, spectral density (and an interval that holds the spectru
 inverses.
 
 Every function takes any object with ``.shape`` (D, D) and ``@`` on torch vectors [D] and
-matrices [D, k], or a dense tensor (the squared Frobenius norm any shape (M, D)); XDiag and the
-Frobenius norm of a wide operator also multiply by its transpose, ``A.adjoint()``.
+matrices [D, k], or a dense tensor (the squared Frobenius norm and LSMR any shape (M, D));
+XDiag, LSMR and the Frobenius norm of a wide operator also multiply by the transpose,
+``A.adjoint()``.
 Stochastic functions take ``seed`` or ``generator`` and are reproducible (seed 0 when neither
 is given). The eigenpairs, spectral density, trace and diagonal estimators take ``progress``
 (default ``"auto"``: a progress bar over the operator products on stderr once a call has run
@@ -20,12 +21,14 @@ from .diagonal import hutchinson_diagonal, xdiag
 from .frobenius import frobenius_norm_squared
 from .inverse import CGResult, conjugate_gradient, neumann_inverse
 from .lanczos import EigenResult, bottom_eigenpairs, top_eigenpairs
+from .lsmr import LSMRResult, lsmr
 from .spectral_density import SpectralDensity, approximate_boundaries, spectral_density
 from .trace import hutchinson_trace, hutchpp_trace, xtrace
 
 __all__ = [
     "CGResult",
     "EigenResult",
+    "LSMRResult",
     "SpectralDensity",
     "approximate_boundaries",
     "bottom_eigenpairs",
@@ -34,6 +37,7 @@ __all__ = [
     "hutchinson_diagonal",
     "hutchinson_trace",
     "hutchpp_trace",
+    "lsmr",
     "neumann_inverse",
     "spectral_density",
     "top_eigenpairs",
