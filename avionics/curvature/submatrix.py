@@ -24,6 +24,18 @@ class SubmatrixOperator(CurvatureLinearOperator):
         A: Any :class:`~avionics.curvature.base.CurvatureLinearOperator`.
         rows: Distinct indices into A's flat output (rows), in the order wanted.
         columns: Distinct indices into A's flat input (columns), in the order wanted.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from avionics.curvature import HessianOperator, SubmatrixOperator
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+        >>> data = [(torch.randn(5, 3, dtype=torch.float64), torch.randint(0, 2, (5,)))]
+        >>> H = HessianOperator(model, nn.CrossEntropyLoss(), None, data)
+        >>> S = SubmatrixOperator.of_parameters(H, ["2.bias"], ["0.bias"])
+        >>> S.shape
+        (2, 4)
     """
 
     def __init__(self, A: CurvatureLinearOperator, rows: Sequence[int], columns: Sequence[int]):

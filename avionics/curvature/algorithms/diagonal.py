@@ -77,6 +77,15 @@ def xdiag(
     progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
         :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
         never.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import xdiag
+        >>> g = torch.Generator().manual_seed(0)
+        >>> U = torch.randn(40, 3, generator=g, dtype=torch.float64)
+        >>> A = U @ torch.randn(3, 40, generator=g, dtype=torch.float64)  # not symmetric
+        >>> torch.allclose(xdiag(A, 10), torch.diagonal(A))  # rank 3: exact
+        True
     """
     sketch = exchangeable_sketch(
         A, num_products, "rademacher", "xdiag", seed, generator, progress, transpose=True

@@ -27,6 +27,13 @@ def frobenius_norm_squared(
     A wide operator (M < D) is multiplied through its transpose (``A.adjoint()``, with
     ||A||_F = ||A^T||_F) when it has one, so that the exact norm takes M products and the
     estimate draws vectors of the smaller size; a square or tall one through A itself.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import frobenius_norm_squared
+        >>> A = torch.arange(12.0, dtype=torch.float64).reshape(3, 4)  # wide: 3 products
+        >>> float(frobenius_norm_squared(A)), float(A.square().sum())
+        (506.0, 506.0)
     """
     mm = _as_matmul(A, square=False)
     if mm.out_dim < mm.dim and (isinstance(A, Tensor) or callable(getattr(A, "adjoint", None))):

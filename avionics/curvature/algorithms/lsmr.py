@@ -66,6 +66,15 @@ def lsmr(
         A^T with all k columns in one block product each (columns that have converged keep
         their solution, while the others go on).
     maxiter: iteration cap (default min(M, D) * 10).
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import lsmr
+        >>> A = torch.tensor([[2.0, 1.0], [0.0, 1.0], [1.0, 0.0]], dtype=torch.float64)
+        >>> b = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+        >>> result = lsmr(A, b, atol=1e-12, btol=1e-12)
+        >>> torch.allclose(result.solution, torch.linalg.lstsq(A, b).solution)
+        True
     """
     mm = _as_matmul(A, square=False)
     adjoint = _adjoint_matmul(A, "lsmr")

@@ -159,6 +159,14 @@ def approximate_boundaries(
     vector nearly orthogonal to an extreme eigenvector can miss it; no bound from products
     alone is certain). After an invariant subspace (beta = 0) the Ritz values are eigenvalues
     and the interval is exact. ``num_steps`` is capped at D.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import approximate_boundaries
+        >>> A = torch.diag(torch.linspace(-1.0, 3.0, 100, dtype=torch.float64))
+        >>> lower, upper = approximate_boundaries(A, 20)
+        >>> lower <= -1.0 and 3.0 <= upper
+        True
     """
     mm = _as_matmul(A)
     if num_steps < 1:

@@ -142,6 +142,14 @@ def xtrace(
 
     A need not be symmetric. If A Omega is rank deficient (A of rank < m), range(A Omega)
     contains range(A) and tr(Q^T A Q) is the exact trace, which is returned.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import xtrace
+        >>> U = torch.randn(50, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> A = U @ U.T  # rank 3: 8 products hold its range, the estimate is exact
+        >>> bool(torch.isclose(xtrace(A, 8, distribution="rademacher"), torch.trace(A)))
+        True
     """
     if improved is None:
         improved = distribution in ("gaussian", "normal")
