@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -372,26 +373,24 @@ class KFACOperator(ModelDataOperator):
         bases = {id(b): (*self._spectrum(b)[:2], denominators[id(b)]) for b in self.blocks}
         return KFACInverseOperator(self, bases)
 
-    def _eigenvalues(self) -> Tensor:
-        """All eigenvalues of the operator (those of every block), flat."""
-        return torch.cat([self._spectrum(block)[4].flatten() for block in self.blocks])
-
     def trace(self) -> Tensor:
-        """tr = sum_blocks tr(B) tr(A), exactly (the sum of the block eigenvalues)."""
-        return self._eigenvalues().sum()
+        """tr = sum_blocks tr(B) tr(A), exactly."""
+        return sum(torch.trace(b.B) * torch.trace(b.A) for b in self.blocks)
 
     def logdet(self) -> Tensor:
         """log det = sum_blocks (d_A log det B + d_B log det A) (-inf if singular)."""
-        return self._eigenvalues().log().sum()
+        return sum(len(b.A) * torch.logdet(b.B) + len(b.B) * torch.logdet(b.A)
+                   for b in self.blocks)  # fmt: skip
 
     def det(self) -> Tensor:
         """det = prod_blocks det(B)^{d_A} det(A)^{d_B}; over- and underflows easily: prefer
         :meth:`logdet`."""
-        return self._eigenvalues().prod()
+        return math.prod(torch.linalg.det(b.B) ** len(b.A) * torch.linalg.det(b.A) ** len(b.B)
+                         for b in self.blocks)  # fmt: skip
 
     def frobenius_norm(self) -> Tensor:
-        """||K||_F = sqrt(sum_blocks ||B||_F^2 ||A||_F^2) (the eigenvalues' 2-norm)."""
-        return self._eigenvalues().norm()
+        """||K||_F = sqrt(sum_blocks ||B||_F^2 ||A||_F^2)."""
+        return sum(b.B.square().sum() * b.A.square().sum() for b in self.blocks).sqrt()
 
     # ---------------------------------------------------------------------------------------
     # State: the factors, to store and load without a pass over the data
@@ -508,6 +507,26 @@ class EKFACOperator(KFACOperator):
                 "KFACOperator for damping per factor."
             )
         return super().inverse(damping, mode=mode, min_damping=min_damping)
+
+    def _eigenvalues(self) -> Tensor:
+        """The corrected eigenvalues S of every block, flat: EKFAC's spectrum."""
+        return torch.cat([self._spectra[id(block)][4].flatten() for block in self.blocks])
+
+    def trace(self) -> Tensor:
+        """tr = sum of the corrected eigenvalues."""
+        return self._eigenvalues().sum()
+
+    def logdet(self) -> Tensor:
+        """log det = sum of the logs of the corrected eigenvalues (-inf if one is 0)."""
+        return self._eigenvalues().log().sum()
+
+    def det(self) -> Tensor:
+        """det = product of the corrected eigenvalues (prefer :meth:`logdet`)."""
+        return self._eigenvalues().prod()
+
+    def frobenius_norm(self) -> Tensor:
+        """||EKFAC||_F = the 2-norm of the corrected eigenvalues (Q_B (x) Q_A is orthogonal)."""
+        return self._eigenvalues().norm()
 
     def _factor_state(self) -> list[dict[str, Tensor]]:
         # the eigenbases too: eigh's eigenvectors are unique up to signs and rotations only
