@@ -23,7 +23,13 @@ from avionics.curvature._losses import (
     sampled_output_gradients,
 )
 from avionics.curvature.base import CurvatureLinearOperator
-from avionics.curvature.kfac_inverse import KFACInverseOperator, blockwise, damped_denominators
+from avionics.curvature.kfac_inverse import (
+    KFACInverseOperator,
+    blockwise,
+    check_damping,
+    exact_inverse,
+    factored_inverse,
+)
 from avionics.curvature.kfac_state import check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
 from avionics.persample.rules.conv import unfold
@@ -366,12 +372,16 @@ class KFACOperator(ModelDataOperator):
         (B + lambda_B I)^{-1} (x) (A + lambda_A I)^{-1} with damping = lambda or
         (lambda_A, lambda_B), ``"heuristic"`` the factored damping with Martens & Grosse's pi
         (``min_damping`` the least damping of a factor)."""
-        denominators = damped_denominators(
-            self.blocks, lambda block: self._spectrum(block)[2:], damping, mode, min_damping,
-            type(self).__name__,
-        )  # fmt: skip
-        bases = {id(b): (*self._spectrum(b)[:2], denominators[id(b)]) for b in self.blocks}
-        return KFACInverseOperator(self, bases)
+        owner = type(self).__name__
+        damping = check_damping(damping, mode, min_damping, owner)
+        inverses = {}
+        for block in self.blocks:
+            if mode == "exact":
+                Q_B, Q_A, _, _, S = self._spectrum(block)
+                inverses[id(block)] = exact_inverse(block, Q_B, Q_A, S, damping, owner)
+            else:
+                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner)
+        return KFACInverseOperator(self, inverses)
 
     def trace(self) -> Tensor:
         """tr = sum_blocks tr(B) tr(A), exactly."""
@@ -379,8 +389,7 @@ class KFACOperator(ModelDataOperator):
 
     def logdet(self) -> Tensor:
         """log det = sum_blocks (d_A log det B + d_B log det A) (-inf if singular)."""
-        return sum(len(b.A) * torch.logdet(b.B) + len(b.B) * torch.logdet(b.A)
-                   for b in self.blocks)  # fmt: skip
+        return sum(len(b.A) * _logdet(b.B) + len(b.B) * _logdet(b.A) for b in self.blocks)
 
     def det(self) -> Tensor:
         """det = prod_blocks det(B)^{d_A} det(A)^{d_B}; over- and underflows easily: prefer
@@ -539,6 +548,15 @@ class EKFACOperator(KFACOperator):
             block.B, block.A = entry["B"], entry["A"]
         self._spectra = {id(block): (entry["Q_B"], entry["Q_A"], None, None, entry["S"])
                          for block, entry in zip(self.blocks, factors)}  # fmt: skip
+
+
+def _logdet(factor: Tensor) -> Tensor:
+    """log det of a positive semi-definite factor: by Cholesky, 2 sum log diag(L) (LU's
+    logdet where it is singular, -inf)."""
+    L, info = torch.linalg.cholesky_ex(factor)
+    if int(info) == 0:
+        return 2 * torch.diagonal(L).log().sum()
+    return torch.logdet(factor)
 
 
 def _output_gradients(

@@ -17,11 +17,14 @@ DAMPING_MODES = ("exact", "factors", "heuristic")
 class KFACInverseOperator(CurvatureLinearOperator):
     r"""The damped inverse of a Kronecker-factored operator, block by block, exactly.
 
-    Every block is inverted in the eigenbasis Q_B (x) Q_A of its factors
+    With exact damping every block is inverted in the eigenbasis Q_B (x) Q_A of its factors
     (B = Q_B diag(b) Q_B^T, A = Q_A diag(a) Q_A^T), where the damped block is diagonal with
     entries D_ij; the inverse is
 
-    .. math:: V \mapsto Q_B \big[ (Q_B^\top V Q_A) \oslash D \big] Q_A^\top.
+    .. math:: V \mapsto Q_B \big[ (Q_B^\top V Q_A) \oslash D \big] Q_A^\top;
+
+    with damping per factor, (B + lambda_B I)^{-1} (x) (A + lambda_A I)^{-1} is V -> B_inv V
+    A_inv with the two inverses by Cholesky factorisations (no eigendecomposition).
 
     The damping (``mode`` of :meth:`~avionics.curvature.kfac.KFACOperator.inverse`):
 
@@ -44,56 +47,69 @@ class KFACInverseOperator(CurvatureLinearOperator):
 
     SELF_ADJOINT = True
 
-    def __init__(self, kfac, eigenbases: dict[int, tuple[Tensor, Tensor, Tensor]]):
+    def __init__(self, kfac, inverses: dict[int, tuple[Tensor, Tensor, Tensor | None]]):
+        """``inverses``: per block (Q_B, Q_A, D) in the eigenbasis, or (B_inv, A_inv, None)."""
         super().__init__(kfac.in_shapes, kfac.out_shapes, kfac.dtype, kfac.device)
-        self._blocks, self._eigenbases = kfac.blocks, eigenbases
+        self._blocks, self._inverses = kfac.blocks, inverses
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         def apply(block, V: Tensor) -> Tensor:
-            Q_B, Q_A, D = self._eigenbases[id(block)]
-            return Q_B @ ((Q_B.T @ V @ Q_A) / D) @ Q_A.T
+            left, right, D = self._inverses[id(block)]
+            if D is None:
+                return left @ V @ right
+            return left @ ((left.T @ V @ right) / D) @ right.T
 
         return blockwise(self._blocks, M, apply)
 
 
-def damped_denominators(
-    blocks, eigenvalues: Callable, damping, mode: str, min_damping: float, owner: str
-) -> dict[int, Tensor]:
-    """D of every block (see :class:`KFACInverseOperator`), after checking the arguments.
-
-    ``eigenvalues(block)`` gives (b, a, S): the factors' eigenvalues and those of the block.
-    """
+def check_damping(damping, mode: str, min_damping: float, owner: str):
+    """The damping as a number (``"exact"``, ``"heuristic"``) or a pair (lambda_A, lambda_B)
+    (``"factors"``), after checking the arguments."""
     if mode not in DAMPING_MODES:
         raise ValueError(f"{owner}.inverse: mode must be one of {DAMPING_MODES}, got {mode!r}.")
-    if mode == "factors":
-        pair = damping if isinstance(damping, (tuple, list)) else (damping, damping)
-        if len(pair) != 2:
-            raise ValueError(
-                f"{owner}.inverse: damping for mode='factors' is one number or a pair "
-                f"(damping of A, damping of B), got {damping!r}."
-            )
-        lambda_A, lambda_B = (_check_damping(value, owner, allow_zero=True) for value in pair)
-    else:
-        _check_damping(damping, owner, allow_zero=False)
     _check_damping(min_damping, owner, allow_zero=True, name="min_damping")
-    denominators = {}
-    for block in blocks:
-        b, a, S = eigenvalues(block)
-        if mode == "exact":
-            D = S + damping
-        else:
-            if mode == "heuristic":
-                lambda_A, lambda_B = _heuristic_damping(block, damping, min_damping)
-            # a lone bias has no input factor to damp: its A is the number 1
-            D = torch.outer(b + lambda_B, a + (lambda_A if block.has_weight else 0.0))
-        # eigenvalues of a PSD factor come out of eigh as small as -eps * its norm
-        if not bool((D > torch.finfo(D.dtype).eps * max(D.shape) * D.abs().max()).all()):
-            raise ValueError(
-                f"{owner}.inverse: the damped block of {block.describe()} is singular (its "
-                f"smallest damped eigenvalue is {float(D.min()):.3g}); increase the damping."
-            )
-        denominators[id(block)] = D
-    return denominators
+    if mode != "factors":
+        return _check_damping(damping, owner, allow_zero=False)
+    pair = damping if isinstance(damping, (tuple, list)) else (damping, damping)
+    if len(pair) != 2:
+        raise ValueError(
+            f"{owner}.inverse: damping for mode='factors' is one number or a pair "
+            f"(damping of A, damping of B), got {damping!r}."
+        )
+    return tuple(_check_damping(value, owner, allow_zero=True) for value in pair)
+
+
+def exact_inverse(block, Q_B: Tensor, Q_A: Tensor, S: Tensor, damping: float, owner: str):
+    """(Q_B, Q_A, S + damping) of a block, after checking that S + damping > 0."""
+    D = S + damping
+    # eigenvalues of a PSD factor come out of eigh as small as -eps * its norm
+    if not bool((D > torch.finfo(D.dtype).eps * max(D.shape) * D.abs().max()).all()):
+        _singular(block, owner)
+    return Q_B, Q_A, D
+
+
+def factored_inverse(block, damping, mode: str, min_damping: float, owner: str):
+    """((B + lambda_B I)^{-1}, (A + lambda_A I)^{-1}, None) of a block by Cholesky; a lone
+    bias has no input factor to damp (its A is the number 1)."""
+    if mode == "heuristic":
+        lambda_A, lambda_B = _heuristic_damping(block, damping, min_damping)
+    else:
+        lambda_A, lambda_B = damping
+    inverses = []
+    for factor, value in ((block.B, lambda_B), (block.A, lambda_A if block.has_weight else 0)):
+        eye = torch.eye(len(factor), dtype=factor.dtype, device=factor.device)
+        L, info = torch.linalg.cholesky_ex(factor + value * eye)
+        if int(info) != 0:
+            _singular(block, owner)
+        inverses.append(torch.cholesky_inverse(L))
+    return inverses[0], inverses[1], None
+
+
+def _singular(block, owner: str):
+    raise ValueError(
+        f"{owner}.inverse: the damped block of {block.describe()} is singular (not positive "
+        "definite); increase the damping."
+    )
 
 
 def _heuristic_damping(block, damping: float, min_damping: float) -> tuple[float, float]:

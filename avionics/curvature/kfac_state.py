@@ -89,7 +89,7 @@ def _check_block_factors(operator, block, entry, owner: str) -> dict[str, Tensor
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{owner}: factor {key} of block {block.describe()} must be a "
                              f"tensor of shape {shape}, got {got}.")  # fmt: skip
-        if not bool(torch.isfinite(tensor).all()):
+        if not bool(torch.isfinite(tensor.sum())):  # one pass: a NaN or inf entry spreads
             raise ValueError(f"{owner}: factor {key} of block {block.describe()} is not "
                              "finite.")  # fmt: skip
         checked[key] = tensor.detach().to(dtype=operator.dtype, device=operator.device)
