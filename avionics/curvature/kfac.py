@@ -388,7 +388,8 @@ class KFACOperator(ModelDataOperator):
         return sum(torch.trace(b.B) * torch.trace(b.A) for b in self.blocks)
 
     def logdet(self) -> Tensor:
-        """log det = sum_blocks (d_A log det B + d_B log det A) (-inf if singular)."""
+        """log det = sum_blocks (d_A log det B + d_B log det A); -inf if a factor is singular
+        to working precision (its Cholesky factorisation fails)."""
         return sum(len(b.A) * _logdet(b.B) + len(b.B) * _logdet(b.A) for b in self.blocks)
 
     def det(self) -> Tensor:
@@ -551,12 +552,12 @@ class EKFACOperator(KFACOperator):
 
 
 def _logdet(factor: Tensor) -> Tensor:
-    """log det of a positive semi-definite factor: by Cholesky, 2 sum log diag(L) (LU's
-    logdet where it is singular, -inf)."""
+    """log det of a positive semi-definite factor by Cholesky, 2 sum log diag(L); -inf where
+    the factor is singular to working precision (its Cholesky factorisation fails)."""
     L, info = torch.linalg.cholesky_ex(factor)
-    if int(info) == 0:
-        return 2 * torch.diagonal(L).log().sum()
-    return torch.logdet(factor)
+    if int(info) != 0:
+        return torch.tensor(-math.inf, dtype=factor.dtype, device=factor.device)
+    return 2 * torch.diagonal(L).log().sum()
 
 
 def _output_gradients(

@@ -285,3 +285,15 @@ def test_bad_states_are_refused_and_change_nothing():
     ekfac_state = EKFACOperator(model, loss_fn, None, data, fisher_type="type-2").state_dict()
     with pytest.raises(ValueError, match=r"state's operator is 'EKFACOperator'"):
         KFACOperator.from_state_dict(ekfac_state, model, loss_fn, None, data)
+
+
+def test_logdet_of_a_singular_factor_is_minus_infinity():
+    """An input feature that is always 0: A has a zero row, det = 0, log det = -inf."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).double()
+    X = torch.randn(6, 4, dtype=DT)
+    X[:, 0] = 0
+    K = KFACOperator(model, nn.MSELoss(), ["weight"], [(X, torch.randn(6, 2, dtype=DT))],
+                     fisher_type="type-2")  # fmt: skip
+    assert K.logdet() == -float("inf")
+    assert float(K.det()) == 0.0 == float(torch.linalg.det(dense(K)))
