@@ -17,6 +17,7 @@ from avionics.curvature.hessian import HessianOperator
 from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOperator
 from avionics.curvature.kfac import EKFACOperator, KFACOperator
 from avionics.curvature.kfac_inverse import KFACInverseOperator
+from avionics.curvature.lsmr_inverse import LSMRInverseOperator
 from avionics.curvature.mc_fisher import MCFisherOperator
 from avionics.curvature.submatrix import SubmatrixOperator
 
@@ -31,6 +32,7 @@ __all__ = [
     "JacobianOperator",
     "KFACInverseOperator",
     "KFACOperator",
+    "LSMRInverseOperator",
     "MCFisherOperator",
     "SubmatrixOperator",
     "TransposedJacobianOperator",

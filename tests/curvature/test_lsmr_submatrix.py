@@ -12,6 +12,7 @@ from avionics.curvature import (
     HessianOperator,
     IdentityOperator,
     JacobianOperator,
+    LSMRInverseOperator,
     SubmatrixOperator,
 )
 from avionics.curvature.algorithms import lsmr
@@ -69,6 +70,32 @@ def test_lsmr_solves_damped_curvature_and_jacobian_least_squares(name):
     ridge = torch.linalg.solve(J_dense.T @ J_dense + eye, J_dense.T @ u)
     solution = lsmr(J, u, damping=1.0, atol=1e-10, btol=1e-10).solution
     torch.testing.assert_close(solution, ridge)
+
+
+@pytest.mark.parametrize("name", ["mlp", "tied"])
+def test_lsmr_inverse_operator(name):
+    """The inverse of the damped GGN as an operator, in every input format, and the ridge
+    solution operator of the Jacobian with its adjoint."""
+    model, loss_fn, data, _ = problem(name)
+    G = GGNOperator(model, loss_fn, None, data)
+    inverse = LSMRInverseOperator(G + 0.5 * IdentityOperator(G), atol=1e-10, btol=1e-10)
+    assert inverse.SELF_ADJOINT
+    expected = torch.linalg.inv(dense_ggn(model, loss_fn, data) + 0.5 * torch.eye(G.shape[0]))
+    torch.testing.assert_close(dense(inverse), expected)
+    assert bool(inverse.last_result.converged.all())
+    v = _random(G.shape[0], seed=6)
+    v_list = [x.view(s) for x, s in zip(v.split([s.numel() for s in G.in_shapes]), G.in_shapes)]
+    result = inverse @ v_list
+    torch.testing.assert_close(torch.cat([r.flatten() for r in result]), expected @ v)
+    J = JacobianOperator(model, None, data)
+    J_dense = dense_jacobian(model, data)
+    solve = LSMRInverseOperator(J, damping=1.0, atol=1e-10, btol=1e-10)
+    assert solve.shape == (J.shape[1], J.shape[0])
+    ridge = torch.linalg.solve(J_dense.T @ J_dense + torch.eye(J.shape[1]), J_dense.T)
+    torch.testing.assert_close(dense(solve), ridge)
+    assert solve.adjoint().shape == J.shape
+    with pytest.raises(TypeError, match=r"unknown options \['tol'\]"):
+        LSMRInverseOperator(J, tol=1e-3)
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "tied"])
