@@ -2,9 +2,10 @@
 
 Every operator is a :class:`CurvatureLinearOperator`: ``A @ X`` on flat vectors and matrices,
 lists of per-parameter tensors and NumPy arrays; lazy ``A + B``, ``A - B``, ``c * A``,
-``A @ B``, ``A.adjoint()``; ``A.to_scipy()``. The algorithms (:mod:`.algorithms`) take any
-operator or dense tensor. On a data set sharded across torch.distributed processes
-(``distributed``) every operator of a loss is that of the whole data set, on every process.
+``A @ B``, ``A.adjoint()``; ``A.to_scipy()``; ``SubmatrixOperator(A, rows, columns)`` and
+``LSMRInverseOperator(A)``. The algorithms (:mod:`.algorithms`) take any operator or dense
+tensor. On a data set sharded across torch.distributed processes (``distributed``) every
+operator of a loss is that of the whole data set, on every process.
 """
 
 from avionics.curvature import algorithms
