@@ -9,12 +9,19 @@ of the computing thread (``time.thread_time``, torch on one thread), the minimum
 with avionics and curvlinops alternating: on a shared machine wall-clock times mostly measure
 the neighbours.
 
-Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md).
+The features beyond the operators' products (the Hessian's blocks, KFAC's scalars, damped
+inverses, FOOF, KFAC-reduce and state, XTrace / XDiag / the Jacobian's Frobenius norm,
+spectrum boundaries, LSMR, submatrices, curvlinops' EF convention) are timed side by side on
+the MLP: each row is the whole call in both libraries, the same inputs and budget of products.
+
+Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md);
+``--features`` times only the features and replaces their table in the section.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import threading
 import time
 import warnings
@@ -32,10 +39,18 @@ from avionics.curvature import (
     JacobianOperator,
     KFACOperator,
     MCFisherOperator,
+    SubmatrixOperator,
     TransposedJacobianOperator,
 )
 from avionics.curvature._data import MathAttention
-from benchmarks.report import machine, table, write_section
+from avionics.curvature.algorithms import (
+    approximate_boundaries,
+    frobenius_norm_squared,
+    lsmr,
+    xdiag,
+    xtrace,
+)
+from benchmarks.report import BENCHMARKS_MD, machine, table, write_section
 
 COLUMNS = 16
 
@@ -263,6 +278,152 @@ def measure(factories, repeats: int, warm_up: bool) -> dict:
     return results
 
 
+# ------------------------------------------------------------------------------------------
+# Features beyond the products, side by side
+# ------------------------------------------------------------------------------------------
+
+FEATURES_HEADING = "### Features beyond the products (MLP)"
+
+
+def feature_pairs(model, loss_fn, data) -> dict:
+    """(ours, curvlinops) zero-argument calls, each doing one whole feature."""
+    import curvlinops
+    from curvlinops.papyan2020traces.spectrum import approximate_boundaries as their_boundaries
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    generator = torch.Generator().manual_seed(0)
+    V = torch.randn(sum(p.numel() for p in params), COLUMNS, generator=generator)
+    B4 = V[:, :4].contiguous()
+    quiet = {"check_deterministic": False}
+    blocks = [1] * len(params)
+    H_ours = HessianOperator(model, loss_fn, None, data, block_sizes=blocks, **quiet)
+    H_theirs = curvlinops.HessianLinearOperator(model, loss_fn, params, data, block_sizes=blocks,
+                                                **quiet)  # fmt: skip
+    G_ours = GGNOperator(model, loss_fn, None, data, **quiet)
+    G_theirs = curvlinops.GGNLinearOperator(model, loss_fn, params, data, **quiet)
+    J_ours = JacobianOperator(model, None, data, **quiet)
+    # curvlinops' norm transposes a wide operator with .T, which its Jacobian lacks: give it
+    # the transposed (tall) Jacobian, as ours uses internally (||J||_F = ||J^T||_F)
+    JT_theirs = curvlinops.TransposedJacobianLinearOperator(model, params, data, **quiet)
+    K_ours = KFACOperator(model, loss_fn, None, data, **quiet)
+    K_theirs = curvlinops.KFACLinearOperator(model, loss_fn, params, data, **quiet)
+    K_theirs.compute_kronecker_factors()
+    state_ours, state_theirs = K_ours.state_dict(), K_theirs.state_dict()
+    rows = torch.randperm(V.shape[0], generator=generator)[:1000].tolist()
+    columns = torch.randperm(V.shape[0], generator=generator)[:1000].tolist()
+    X_sub = torch.randn(1000, COLUMNS, generator=generator)
+
+    def our_scalars():
+        return K_ours.trace(), K_ours.logdet(), K_ours.frobenius_norm()
+
+    def their_scalars():
+        K_theirs._reset_matrix_properties()
+        return K_theirs.trace, K_theirs.logdet, K_theirs.frobenius_norm
+
+    def our_inverse():
+        return K_ours.inverse(1e-3, mode="heuristic") @ V
+
+    def their_inverse():
+        inverse = curvlinops.KFACInverseLinearOperator(K_theirs, 1e-3, use_heuristic_damping=True)
+        return inverse @ V
+
+    return {
+        f"Hessian, one block per parameter, {COLUMNS} columns": (
+            lambda: H_ours @ V,
+            lambda: H_theirs @ V,
+        ),
+        "KFAC trace + logdet + Frobenius norm (from the factors)": (our_scalars, their_scalars),
+        f"KFAC inverse, heuristic damping: the damped factors inverted + {COLUMNS} columns": (
+            our_inverse,
+            their_inverse,
+        ),
+        "KFAC-reduce construction": (
+            lambda: KFACOperator(model, loss_fn, None, data, kfac_approx="reduce", **quiet),
+            lambda: curvlinops.KFACLinearOperator(
+                model, loss_fn, params, data, kfac_approx="reduce", **quiet
+            ).compute_kronecker_factors(),
+        ),
+        "FOOF (forward-only) construction": (
+            lambda: KFACOperator(model, loss_fn, None, data, fisher_type="forward-only", **quiet),
+            lambda: curvlinops.KFACLinearOperator(
+                model, loss_fn, params, data, fisher_type="forward-only", **quiet
+            ).compute_kronecker_factors(),
+        ),
+        "KFAC from its state dict": (
+            lambda: KFACOperator.from_state_dict(state_ours, model, loss_fn, None, data),
+            lambda: curvlinops.KFACLinearOperator.from_state_dict(
+                state_theirs, model, params, data, check_deterministic=False
+            ),
+        ),
+        f"XTrace, Rademacher, {COLUMNS} products (GGN)": (
+            lambda: xtrace(G_ours, COLUMNS, distribution="rademacher"),
+            lambda: curvlinops.xtrace(G_theirs, COLUMNS, distribution="rademacher"),
+        ),
+        f"XDiag, {COLUMNS} products (GGN)": (
+            lambda: xdiag(G_ours, COLUMNS),
+            lambda: curvlinops.xdiag(G_theirs, COLUMNS),
+        ),
+        f"Jacobian's squared Frobenius norm, {COLUMNS} products": (
+            lambda: frobenius_norm_squared(J_ours, COLUMNS),
+            lambda: curvlinops.hutchinson_squared_fro(JT_theirs, COLUMNS),
+        ),
+        "spectrum boundaries (GGN; ours 20 Lanczos steps, curvlinops eigsh tol 1e-2)": (
+            lambda: approximate_boundaries(G_ours, 20),
+            lambda: their_boundaries(G_theirs, tol=1e-2),
+        ),
+        "LSMR, 4 right-hand sides, 10 iterations, damping 1 (GGN)": (
+            lambda: lsmr(G_ours, B4, damping=1.0, maxiter=10),
+            lambda: curvlinops.LSMRInverseLinearOperator(G_theirs, damp=1.0, maxiter=10) @ B4,
+        ),
+        f"submatrix 1000 x 1000 of the GGN, {COLUMNS} columns": (
+            lambda: SubmatrixOperator(G_ours, rows, columns) @ X_sub,
+            lambda: curvlinops.SubmatrixLinearOperator(G_theirs, rows, columns) @ X_sub,
+        ),
+        f"EF, convention='curvlinops', {COLUMNS} columns": (
+            lambda: EFOperator(model, loss_fn, None, data, convention="curvlinops", **quiet) @ V,
+            lambda: curvlinops.EFLinearOperator(model, loss_fn, params, data, **quiet) @ V,
+        ),
+    }
+
+
+def run_features(repeats: int) -> str:
+    """The features table on the MLP (both libraries warmed up once, then alternated)."""
+    torch.manual_seed(0)
+    model, loss_fn, data, _ = mlp_problem()
+    rows = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (ours, theirs) in feature_pairs(model, loss_fn, data).items():
+            print(f"features: {name}", flush=True)
+            ours(), theirs()  # warm-up
+            ours_ms, theirs_ms = alternating_min_times([ours, theirs], repeats)
+            rows.append([name, _format(ours_ms), _format(theirs_ms),
+                         _format(theirs_ms / ours_ms, 2)])  # fmt: skip
+    header = ["feature", "ours (ms)", "curvlinops (ms)", "ratio"]
+    return (
+        f"{FEATURES_HEADING}\n\n{machine()}; curvlinops {version('curvlinops-for-pytorch')}. "
+        f"CPU time of one thread, minimum over {repeats} alternating repeats after a warm-up; "
+        "ratio = curvlinops / avionics (> 1: avionics is faster). The KFAC rows use the MC "
+        "Fisher (curvlinops' default); the scalars of curvlinops are its cached properties, "
+        "reset before each call.\n\n" + table(header, rows)
+    )
+
+
+def with_features(section: str, features: str) -> str:
+    """``section`` with its features table replaced by (or appended as) ``features``."""
+    pattern = re.compile(re.escape(FEATURES_HEADING) + r".*?(?=\n### |\Z)", re.S)
+    if pattern.search(section):
+        return pattern.sub(lambda _: features, section)
+    return section.rstrip() + "\n\n" + features
+
+
+def current_section() -> str:
+    text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else ""
+    match = re.search(r"<!-- curvature-operators:start -->\n(.*?)\n<!-- curvature-operators:end",
+                      text, re.S)  # fmt: skip
+    return match.group(1) if match else ""
+
+
 def _format(value, digits=1) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
@@ -323,10 +484,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, nargs=3, default=[10, 1, 2],
                         help="timed repeats on MLP, 3c3d, GPT")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument(
+        "--features",
+        action="store_true",
+        help="time only the features beyond the products (on the MLP)",
+    )
+    parser.add_argument("--feature-repeats", type=int, default=3)  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help="print, don't write the file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    markdown = run(args.problems, dict(zip(PROBLEMS, args.repeats)))
+    features = run_features(args.feature_repeats)
+    if args.features:
+        markdown = with_features(current_section(), features)
+    else:
+        markdown = with_features(run(args.problems, dict(zip(PROBLEMS, args.repeats))), features)
     print(markdown)
     if not args.no_write:
         write_section("curvature-operators", markdown)

@@ -2,9 +2,10 @@
 
 Every operator is a :class:`CurvatureLinearOperator`: ``A @ X`` on flat vectors and matrices,
 lists of per-parameter tensors and NumPy arrays; lazy ``A + B``, ``A - B``, ``c * A``,
-``A @ B``, ``A.adjoint()``; ``A.to_scipy()``. The algorithms (:mod:`.algorithms`) take any
-operator or dense tensor. On a data set sharded across torch.distributed processes
-(``distributed``) every operator of a loss is that of the whole data set, on every process.
+``A @ B``, ``A.adjoint()``; ``A.to_scipy()``; ``SubmatrixOperator(A, rows, columns)`` and
+``LSMRInverseOperator(A)``. The algorithms (:mod:`.algorithms`) take any operator or dense
+tensor. On a data set sharded across torch.distributed processes (``distributed``) every
+operator of a loss is that of the whole data set, on every process.
 """
 
 from avionics.curvature import algorithms
@@ -15,8 +16,11 @@ from avionics.curvature.ef import EFOperator
 from avionics.curvature.ggn import GGNOperator
 from avionics.curvature.hessian import HessianOperator
 from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOperator
-from avionics.curvature.kfac import EKFACOperator, KFACInverseOperator, KFACOperator
+from avionics.curvature.kfac import EKFACOperator, KFACOperator
+from avionics.curvature.kfac_inverse import KFACInverseOperator
+from avionics.curvature.lsmr_inverse import LSMRInverseOperator
 from avionics.curvature.mc_fisher import MCFisherOperator
+from avionics.curvature.submatrix import SubmatrixOperator
 
 __all__ = [
     "ActivationHessianOperator",
@@ -29,7 +33,9 @@ __all__ = [
     "JacobianOperator",
     "KFACInverseOperator",
     "KFACOperator",
+    "LSMRInverseOperator",
     "MCFisherOperator",
+    "SubmatrixOperator",
     "TransposedJacobianOperator",
     *algorithms.__all__,
 ]

@@ -292,6 +292,11 @@ class ModelDataOperator(CurvatureLinearOperator):
     # Spaces and the functional model
     # ---------------------------------------------------------------------------------------
 
+    @property
+    def param_names(self) -> list[str]:
+        """The names of the parameters, in the operator's order."""
+        return list(self._param_names)
+
     def _in_shapes(self) -> list[torch.Size]:
         return [p.shape for p in self._params]
 

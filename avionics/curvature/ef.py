@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.func import grad
 
 from avionics.curvature._losses import OutputProduct
 from avionics.curvature.ggn import GGNOperator
+
+CONVENTIONS = ("avionics", "curvlinops")
+CURVLINOPS_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 
 
 class EFOperator(GGNOperator):
@@ -24,10 +27,51 @@ class EFOperator(GGNOperator):
     a Gauss-Newton form with the output-space matrix blockdiag(G_n G_n^T) / c_b, multiplied
     like :class:`~avionics.curvature.ggn.GGNOperator`; batches are weighted by w_b
     (B_b / N or 1). Works for any loss module with a reduction whose samples do not interact.
+
+    The two conventions, side by side (``convention``):
+
+    * ``"avionics"`` (default, the definition above): a datum is a sample n, all its
+      positions together (cross-position terms included), and c_b = 1 / B for "mean" (any
+      reduction over outputs inside the loss stays in l_n).
+    * ``"curvlinops"`` (curvlinops' EFLinearOperator): a datum is every row r of the output
+      with its class axis (axis 1 for CrossEntropyLoss, the last axis for MSELoss and
+      BCEWithLogitsLoss) split off, i.e. every position of a sequence or image, and the loss
+      of a datum is the sum over its C outputs (MSE, BCE):
+
+      .. math:: F_b = \rho_b \sum_r J_r^\top G_r G_r^\top J_r, \qquad
+                \rho_b = \begin{cases} R_b & \text{CrossEntropyLoss, "mean"} \\
+                R_b C & \text{MSELoss, BCEWithLogitsLoss, "mean"} \\
+                1 & \text{"sum"} \end{cases}
+
+      with R_b the rows of batch b and G_r = d L_b / d f_r; batches weighted by w_b. Without
+      positions this is avionics' matrix for CrossEntropyLoss and C times it for MSELoss and
+      BCEWithLogitsLoss with reduction "mean"; with positions the cross-position terms are
+      left out. Only these three losses (the ones curvlinops takes).
+
+    Args:
+        model, loss_fn, params, data: As for :class:`~avionics.curvature.ggn.GGNOperator`.
+        convention: ``"avionics"`` or ``"curvlinops"`` (see above).
+        **kwargs: As for :class:`~avionics.curvature.ggn.GGNOperator`.
     """
+
+    def __init__(self, model, loss_fn, params, data, *, convention: str = "avionics", **kwargs):
+        if convention not in CONVENTIONS:
+            raise ValueError(
+                f"EFOperator: convention must be one of {CONVENTIONS}, got {convention!r}."
+            )
+        if convention == "curvlinops" and not isinstance(loss_fn, CURVLINOPS_LOSSES):
+            raise ValueError(
+                "EFOperator: convention='curvlinops' is defined for MSELoss, CrossEntropyLoss "
+                f"and BCEWithLogitsLoss (those curvlinops takes), got {loss_fn!r}; use the "
+                "default convention='avionics'."
+            )
+        self._convention = convention
+        super().__init__(model, loss_fn, params, data, **kwargs)
 
     def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
         G = grad(lambda f: self._loss_fn(f, y))(output)
+        if self._convention == "curvlinops":
+            return _per_row_outer_product(G, self._loss_fn)
         inverse_c = output.shape[0] if self._loss_fn.reduction == "mean" else 1.0
         inner_axes = tuple(range(1, G.ndim))
 
@@ -35,3 +79,23 @@ class EFOperator(GGNOperator):
             return inverse_c * G * (G * u).sum(dim=inner_axes, keepdim=True)
 
         return product
+
+
+def _per_row_outer_product(G: Tensor, loss_fn: nn.Module) -> OutputProduct:
+    """u -> rho_b blockdiag_r(G_r G_r^T) u, the rows r split along the class axis."""
+    if G.ndim < 2:
+        raise ValueError(
+            "EFOperator: convention='curvlinops' needs model outputs with a class axis "
+            f"([N, C, ...] for CrossEntropyLoss, [N, ..., C] otherwise), got shape "
+            f"{list(G.shape)}; use convention='avionics'."
+        )
+    class_axis = 1 if isinstance(loss_fn, nn.CrossEntropyLoss) else G.ndim - 1
+    rho = 1.0
+    if loss_fn.reduction == "mean":
+        rows = G.numel() // G.shape[class_axis]
+        rho = rows if isinstance(loss_fn, nn.CrossEntropyLoss) else G.numel()
+
+    def product(u: Tensor) -> Tensor:
+        return rho * G * (G * u).sum(dim=class_axis, keepdim=True)
+
+    return product

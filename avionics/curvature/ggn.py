@@ -41,6 +41,21 @@ class GGNOperator(ModelDataOperator):
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
             ``chunk_size``, ``distributed`` (see
             :class:`~avionics.curvature._data.ModelDataOperator`).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from avionics.curvature import GGNOperator
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Linear(3, 2).double()
+        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+        >>> G = GGNOperator(model, nn.CrossEntropyLoss(), None, [(X, y.argmax(1))])
+        >>> dense = G @ torch.eye(G.shape[1], dtype=torch.float64)
+        >>> dense.shape, bool(torch.allclose(dense, dense.T))
+        (torch.Size([8, 8]), True)
+        >>> # positive semi-definite, unlike the Hessian of a non-convex loss
+        >>> bool(torch.linalg.eigvalsh(dense).min() > -1e-12)
+        True
     """
 
     def __init__(self, model, loss_fn, params, data, **kwargs):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import math
-import numbers
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +23,19 @@ from avionics.curvature._losses import (
     sampled_output_gradients,
 )
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.curvature.kfac_inverse import (
+    KFACInverseOperator,
+    blockwise,
+    check_damping,
+    exact_inverse,
+    factored_inverse,
+)
+from avionics.curvature.kfac_state import check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
 from avionics.persample.rules.conv import unfold
 
-FISHER_TYPES = ("mc", "type-2", "empirical")
+FISHER_TYPES = ("mc", "type-2", "empirical", "forward-only")
+KFAC_APPROXIMATIONS = ("expand", "reduce")
 CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SUPPORTED_LAYERS = (nn.Linear, *CONVOLUTIONS)
 
@@ -41,8 +48,12 @@ class KroneckerBlock:
     param_indices: list[int]
     has_weight: bool
     has_bias: bool
+    names: list[str]
     B: Tensor | None = None  # [d_out, d_out]
     A: Tensor | None = None  # [d_in (+ 1 for a joint bias), same] ([1, 1] for a lone bias)
+
+    def describe(self) -> str:
+        return " and ".join(repr(name) for name in self.names)
 
 
 class KFACOperator(ModelDataOperator):
@@ -62,16 +73,38 @@ class KFACOperator(ModelDataOperator):
 
     r running over the rows of the layer input over the data set (R rows: one per sample,
     or per position for sequences and convolutions, and per call of a layer called more than
-    once: the "expand" approximation of Eschenhagen et al., 2023). It is exact for
+    once: the "expand" approximation of Eschenhagen et al., "Kronecker-factored approximate
+    curvature for modern neural network architectures", 2023). It is exact for
     single-sample batches without positions and ``fisher_type="type-2"``. On a weight
     V [out, in] the product is B V A; a bias gets its own block with A = 1
     (``separate_weight_and_bias=True``) or joins the weight, with a column of ones appended
     to a.
 
+    ``kfac_approx="reduce"`` (Eschenhagen et al., 2023, section 3) first reduces the rows of
+    each sample n (its positions and calls) to its mean input and its summed output vectors,
+
+    .. math:: \bar a_n = \frac{1}{R_n} \sum_{r \in n} a_r, \qquad
+              \bar g_{k,n} = \sum_{r \in n} g_{k,r}, \qquad
+              B = \sum_b w_b \sum_{k, n} \bar g_{k,n} \bar g_{k,n}^\top, \qquad
+              A = \frac{1}{N} \sum_n \bar a_n \bar a_n^\top,
+
+    exact where a layer's outputs are averaged over the shared axis before a linear map and
+    an MSE loss (e.g. global average pooling), and the same as "expand" without shared axes.
+
     The s_k: ``"mc"`` draws labels from the model's predictive distribution
     (:func:`~avionics.curvature._losses.sampled_output_gradients`), ``"type-2"`` is the exact
     square root of the loss Hessian (one s_k per output dimension and position), and
     ``"empirical"`` the gradients at the true labels (the empirical Fisher).
+    ``"forward-only"`` is FOOF (Benzing, "Gradient descent on neurons and its link to
+    approximate second-order optimization", 2022): B = I, no backward pass, I (x) A.
+
+    From the factors, exactly for the matrix B (x) A itself: :meth:`trace`, :meth:`det`,
+    :meth:`logdet`, :meth:`frobenius_norm` (tr(B (x) A) = tr B tr A, det = det(B)^{d_A}
+    det(A)^{d_B}, ||B (x) A||_F = ||B||_F ||A||_F, summed or multiplied over the blocks);
+    :meth:`inverse` with exact, per-factor or heuristic (pi) damping
+    (:class:`~avionics.curvature.kfac_inverse.KFACInverseOperator`); :meth:`state_dict`,
+    :meth:`load_state_dict` and :meth:`from_state_dict` to store the factors and rebuild the
+    operator without a pass over the data.
 
     Args:
         model: The network (an ``nn.Module``).
@@ -80,10 +113,11 @@ class KFACOperator(ModelDataOperator):
         params: Weights and biases of Linear and (one-group) Conv1d/2d/3d layers; ``None``
             for all parameters that require grad.
         data: A re-iterable of (X, y) batches.
-        fisher_type: ``"mc"`` (default), ``"type-2"`` or ``"empirical"``.
+        fisher_type: ``"mc"`` (default), ``"type-2"``, ``"empirical"`` or ``"forward-only"``.
         mc_samples: Labels drawn per output for ``"mc"``.
         seed: Seed of the draws.
         separate_weight_and_bias: Give each bias its own block.
+        kfac_approx: ``"expand"`` (default) or ``"reduce"``, for layers with shared axes.
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
             ``distributed``.
 
@@ -94,29 +128,74 @@ class KFACOperator(ModelDataOperator):
     R. The draws of ``"mc"`` are seeded per batch (by its index in the data set, shards in
     rank order), so sharded data gets the factors of one process with all the batches. The
     products then need no communication.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from avionics.curvature import KFACOperator
+        >>> _ = torch.manual_seed(0)
+        >>> model = nn.Linear(3, 2).double()
+        >>> X, y = torch.randn(8, 3, dtype=torch.float64), torch.randint(0, 2, (8,))
+        >>> K = KFACOperator(model, nn.CrossEntropyLoss(), None, [(X, y)], fisher_type="type-2")
+        >>> dense = K @ torch.eye(K.shape[1], dtype=torch.float64)
+        >>> bool(torch.isclose(K.trace(), torch.trace(dense)))
+        True
+        >>> inverse = K.inverse(1e-2, mode="heuristic")
+        >>> (inverse @ (K @ torch.ones(8, dtype=torch.float64))).shape
+        torch.Size([8])
     """
+
+    FISHER_TYPES = FISHER_TYPES
+    STATE_FACTORS = ("B", "A")
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
                  mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
-                 check_deterministic: bool = True, **kwargs):  # fmt: skip
+                 kfac_approx: str = "expand", check_deterministic: bool = True,
+                 **kwargs):  # fmt: skip
+        self._configure(model, loss_fn, params, data, fisher_type=fisher_type,
+                        mc_samples=mc_samples, seed=seed, kfac_approx=kfac_approx,
+                        separate_weight_and_bias=separate_weight_and_bias, **kwargs)  # fmt: skip
+        self._compute_factors()
+        if check_deterministic:
+            self._check_deterministic()
+
+    def _configure(self, model, loss_fn, params, data, *, fisher_type: str, mc_samples: int,
+                   seed: int, kfac_approx: str, separate_weight_and_bias: bool,
+                   **kwargs) -> None:  # fmt: skip
+        """Check the arguments, resolve the parameters and find the blocks (no factors)."""
+        owner = type(self).__name__
         if not isinstance(model, nn.Module):
-            raise TypeError("KFACOperator needs the model as an nn.Module (it hooks its layers).")
-        if fisher_type not in FISHER_TYPES:
-            raise ValueError(f"fisher_type must be one of {FISHER_TYPES}, got {fisher_type!r}.")
+            raise TypeError(f"{owner} needs the model as an nn.Module (it hooks its layers).")
+        if fisher_type not in self.FISHER_TYPES:
+            raise ValueError(
+                f"{owner}: fisher_type must be one of {self.FISHER_TYPES}, got {fisher_type!r}."
+            )
+        if kfac_approx not in KFAC_APPROXIMATIONS:
+            raise ValueError(
+                f"{owner}: kfac_approx must be one of {KFAC_APPROXIMATIONS}, got {kfac_approx!r}."
+            )
         if fisher_type == "mc":
             check_samplable(loss_fn)
-        owner = type(self).__name__
         self._fisher_type = fisher_type
         self._mc_samples = check_positive_int(
             mc_samples, "mc_samples", owner, "pass the number of draws, e.g. 1"
         )
         self._seed = check_seed(seed, owner)
-        self._separate_weight_and_bias = separate_weight_and_bias
+        self._separate_weight_and_bias = bool(separate_weight_and_bias)
+        self._kfac_approx = kfac_approx
         super().__init__(model, loss_fn, params, data, check_deterministic=False, **kwargs)
         self.blocks = self._find_blocks()
-        self._compute_factors()
-        if check_deterministic:
-            self._check_deterministic()
+        self._spectra: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
+
+    def _configuration(self) -> dict:
+        """What the factors depend on besides the model and data (for :meth:`state_dict`)."""
+        return {
+            "fisher_type": self._fisher_type,
+            "mc_samples": self._mc_samples,
+            "seed": self._seed,
+            "separate_weight_and_bias": self._separate_weight_and_bias,
+            "kfac_approx": self._kfac_approx,
+        }
 
     def _find_blocks(self) -> list[KroneckerBlock]:
         index = {name: i for i, name in enumerate(self._param_names)}
@@ -128,16 +207,20 @@ class KFACOperator(ModelDataOperator):
                 continue
             if isinstance(layer, CONVOLUTIONS) and layer.groups != 1:
                 raise ValueError(
-                    f"KFACOperator: layer {layer_name!r} is a {type(layer).__name__} with groups "
+                    f"{type(self).__name__}: layer {layer_name!r} is a {type(layer).__name__} "
+                    "with groups "
                     f"({layer.groups}), which is not supported; leave its parameters out."
                 )
+            names = self._param_names
             if weight is not None and bias is not None and not self._separate_weight_and_bias:
-                blocks.append(KroneckerBlock(layer, [weight, bias], True, True))
+                blocks.append(
+                    KroneckerBlock(layer, [weight, bias], True, True, [names[weight], names[bias]])
+                )
                 continue
             if weight is not None:
-                blocks.append(KroneckerBlock(layer, [weight], True, False))
+                blocks.append(KroneckerBlock(layer, [weight], True, False, [names[weight]]))
             if bias is not None:
-                blocks.append(KroneckerBlock(layer, [bias], False, True))
+                blocks.append(KroneckerBlock(layer, [bias], False, True, [names[bias]]))
         covered = {i for block in blocks for i in block.param_indices}
         others = [name for i, name in enumerate(self._param_names) if i not in covered]
         if others:
@@ -162,6 +245,8 @@ class KFACOperator(ModelDataOperator):
         one = torch.ones(1, 1, dtype=self.dtype, device=self.device)
         for block in self.blocks:
             A_sum, B, rows = factors[id(block.layer)]
+            if self._fisher_type == "forward-only":  # FOOF: B = I
+                B = torch.eye(len(B), dtype=self.dtype, device=self.device)
             block.B = B
             block.A = A_sum / rows if block.has_weight else one
 
@@ -172,13 +257,20 @@ class KFACOperator(ModelDataOperator):
         B = {id(layer): 0.0 for layer in layers}
         rows = {id(layer): 0 for layer in layers}
         for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
-            a, g = a.flatten(0, -2), g.flatten(0, -2)
+            if self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
+                a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
+            a = a.flatten(0, -2)
             A_sum[id(layer)] = A_sum[id(layer)] + a.T @ a
-            B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
+            if g is not None:
+                g = g.flatten(0, -2)
+                B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
             rows[id(layer)] += len(a)
         sums = []
         for layer in layers:
             R = torch.tensor(float(rows[id(layer)]), dtype=torch.float64, device=self.device)
+            if isinstance(B[id(layer)], float):  # forward-only: no backward, B = I later
+                d_out = layer.weight.shape[0]
+                B[id(layer)] = torch.zeros(d_out, d_out, dtype=self.dtype, device=self.device)
             sums += [A_sum[id(layer)], B[id(layer)], R]  # R in float64: an exact count
         return sums
 
@@ -192,7 +284,8 @@ class KFACOperator(ModelDataOperator):
         return list({id(block.layer): block.layer for block in self.blocks}.values())
 
     def _backpropagated_rows(self, desc: str):
-        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]).
+        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]); g is
+        None for ``"forward-only"`` (no backward pass).
 
         The rows of all calls of a layer are concatenated. The draws of a batch are seeded by
         its index in the data set (:func:`~avionics.curvature._losses.batch_generator`), so
@@ -204,15 +297,19 @@ class KFACOperator(ModelDataOperator):
         with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
                 output, calls = self._forward(X, capture, layers)
-                generator = batch_generator(self._seed, index, self.device)
-                vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
-                gradients = _output_gradients(output, calls, vectors)
+                gradients = None
+                if self._fisher_type != "forward-only":
+                    generator = batch_generator(self._seed, index, self.device)
+                    vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
+                    gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
                 for layer in layers:
                     a = [_input_rows(layer, c.args[0].detach(), id(layer) in joint)
                          for c in calls[layer]]  # fmt: skip
-                    g = [_output_rows(layer, gradient) for gradient in gradients[layer]]
-                    yield weight, layer, torch.cat(a, dim=1), torch.cat(g, dim=2)
+                    g = None
+                    if gradients is not None:
+                        g = torch.cat([_output_rows(layer, t) for t in gradients[layer]], dim=2)
+                    yield weight, layer, torch.cat(a, dim=1), g
 
     def _forward(
         self, X, capture: Capture, layers: list[nn.Module]
@@ -230,7 +327,8 @@ class KFACOperator(ModelDataOperator):
                       and not calls[m]]  # fmt: skip
         if not_called:
             raise ValueError(
-                f"KFACOperator: the layers {not_called} were not called in the forward pass "
+                f"{type(self).__name__}: the layers {not_called} were not called in the forward "
+                "pass "
                 "(e.g. the out_proj of nn.MultiheadAttention, whose weight is used directly), "
                 "so their inputs and outputs cannot be seen; leave their parameters out."
             )
@@ -253,15 +351,100 @@ class KFACOperator(ModelDataOperator):
     # ---------------------------------------------------------------------------------------
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return _blockwise(self.blocks, M, lambda block, V: block.B @ V @ block.A)
+        return blockwise(self.blocks, M, lambda block, V: block.B @ V @ block.A)
 
-    def inverse(self, damping: float) -> CurvatureLinearOperator:
-        """The damped inverse (B (x) A + damping I)^{-1}, block by block (KFACInverseOperator)."""
-        eigenbases = {}
-        for block in self.blocks:
+    def _spectrum(self, block: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(Q_B, Q_A, b, a, S) of a block: the eigendecompositions of its factors and the
+        eigenvalues S of the block in the basis Q_B (x) Q_A (b a^T for KFAC), cached."""
+        if id(block) not in self._spectra:
             (b, Q_B), (a, Q_A) = torch.linalg.eigh(block.B), torch.linalg.eigh(block.A)
-            eigenbases[id(block)] = (Q_B, Q_A, b[:, None] * a[None, :])
-        return KFACInverseOperator(self, eigenbases, damping)
+            self._spectra[id(block)] = (Q_B, Q_A, b, a, torch.outer(b, a))
+        return self._spectra[id(block)]
+
+    # ---------------------------------------------------------------------------------------
+    # From the factors: inverse, trace, determinant, Frobenius norm
+    # ---------------------------------------------------------------------------------------
+
+    def inverse(self, damping: float | tuple[float, float], *, mode: str = "exact",
+                min_damping: float = 1e-8) -> CurvatureLinearOperator:  # fmt: skip
+        """The damped inverse, block by block (:class:`KFACInverseOperator`, which states
+        the modes): ``"exact"`` (B (x) A + damping I)^{-1}, ``"factors"``
+        (B + lambda_B I)^{-1} (x) (A + lambda_A I)^{-1} with damping = lambda or
+        (lambda_A, lambda_B), ``"heuristic"`` the factored damping with Martens & Grosse's pi
+        (``min_damping`` the least damping of a factor)."""
+        owner = type(self).__name__
+        damping = check_damping(damping, mode, min_damping, owner)
+        inverses = {}
+        for block in self.blocks:
+            if mode == "exact":
+                Q_B, Q_A, _, _, S = self._spectrum(block)
+                inverses[id(block)] = exact_inverse(block, Q_B, Q_A, S, damping, owner)
+            else:
+                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner)
+        return KFACInverseOperator(self, inverses)
+
+    def trace(self) -> Tensor:
+        """tr = sum_blocks tr(B) tr(A), exactly."""
+        return sum(torch.trace(b.B) * torch.trace(b.A) for b in self.blocks)
+
+    def logdet(self) -> Tensor:
+        """log det = sum_blocks (d_A log det B + d_B log det A); -inf if a factor is singular
+        to working precision (its Cholesky factorisation fails)."""
+        return sum(len(b.A) * _logdet(b.B) + len(b.B) * _logdet(b.A) for b in self.blocks)
+
+    def det(self) -> Tensor:
+        """det = prod_blocks det(B)^{d_A} det(A)^{d_B}; over- and underflows easily: prefer
+        :meth:`logdet`."""
+        return math.prod(torch.linalg.det(b.B) ** len(b.A) * torch.linalg.det(b.A) ** len(b.B)
+                         for b in self.blocks)  # fmt: skip
+
+    def frobenius_norm(self) -> Tensor:
+        """||K||_F = sqrt(sum_blocks ||B||_F^2 ||A||_F^2)."""
+        return sum(b.B.square().sum() * b.A.square().sum() for b in self.blocks).sqrt()
+
+    # ---------------------------------------------------------------------------------------
+    # State: the factors, to store and load without a pass over the data
+    # ---------------------------------------------------------------------------------------
+
+    def _factor_state(self) -> list[dict[str, Tensor]]:
+        return [{"B": block.B, "A": block.A} for block in self.blocks]
+
+    def _load_factor_state(self, factors: list[dict[str, Tensor]]) -> None:
+        for block, entry in zip(self.blocks, factors):
+            block.B, block.A = entry["B"], entry["A"]
+        self._spectra = {}
+
+    def state_dict(self) -> dict:
+        """The factors with what they were computed for: the operator's kind, the parameter
+        names, the block layout, ``num_data`` and the configuration (fisher_type,
+        mc_samples, seed, separate_weight_and_bias, kfac_approx). Not the model's own
+        parameters: store ``model.state_dict()`` beside it."""
+        return operator_state(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the factors by those of ``state`` (from :meth:`state_dict`), after checking
+        that everything in it matches this operator; nothing changes otherwise."""
+        self._load_factor_state(check_state(self, state))
+
+    @classmethod
+    def from_state_dict(cls, state: dict, model: nn.Module, loss_fn, params, data, *,
+                        check_deterministic: bool = False, **kwargs):  # fmt: skip
+        """The operator of ``state`` (from :meth:`state_dict`) on ``model``, ``loss_fn``,
+        ``params`` and ``data`` with the stored factors and configuration: one counting pass
+        over the data (its size must be the stored ``num_data``), no factor pass.
+        ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
+        configuration = state.get("configuration") if isinstance(state, dict) else None
+        if not isinstance(configuration, dict):
+            raise ValueError(
+                f"{cls.__name__}.from_state_dict needs the dict that state_dict() returns, got "
+                f"{type(state).__name__} without a 'configuration'."
+            )
+        operator = cls.__new__(cls)
+        operator._configure(model, loss_fn, params, data, **configuration, **kwargs)
+        operator.load_state_dict(state)
+        if check_deterministic:
+            operator._check_deterministic()
+        return operator
 
 
 class EKFACOperator(KFACOperator):
@@ -279,8 +462,14 @@ class EKFACOperator(KFACOperator):
     :class:`KFACOperator`), computed in a second pass over the data with the same draws. The
     product is Q_B ((Q_B^T V Q_A) * S) Q_A^T. For sharded data the eigenbases are those of
     the all-reduced factors, the same on every process, and one all_reduce adds the
-    processes' sums S. Arguments as for :class:`KFACOperator`.
+    processes' sums S. Arguments as for :class:`KFACOperator` (but not ``"forward-only"``:
+    the corrections need the backpropagated vectors). :meth:`trace`, :meth:`logdet`,
+    :meth:`det` and :meth:`frobenius_norm` are those of the corrected eigenvalues S; the
+    inverse has exact damping only.
     """
+
+    FISHER_TYPES = ("mc", "type-2", "empirical")
+    STATE_FACTORS = ("B", "A", "Q_B", "Q_A", "S")
 
     def _compute_factors(self) -> None:
         super()._compute_factors()
@@ -291,8 +480,9 @@ class EKFACOperator(KFACOperator):
         corrections = self._sum_over_processes(
             lambda: self._local_corrections(bases), shapes, "eigenvalue corrections"
         )
-        self._eigenbases = {
-            id(block): (*bases[id(block)], S) for block, S in zip(self.blocks, corrections)
+        self._spectra = {
+            id(block): (Q_B, Q_A, None, None, S)
+            for block, (Q_B, Q_A), S in zip(self.blocks, bases.values(), corrections)
         }
 
     def _local_corrections(self, bases: dict) -> list[Tensor]:
@@ -311,61 +501,63 @@ class EKFACOperator(KFACOperator):
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
-            Q_B, Q_A, S = self._eigenbases[id(block)]
+            Q_B, Q_A, _, _, S = self._spectra[id(block)]
             return Q_B @ ((Q_B.T @ V @ Q_A) * S) @ Q_A.T
 
-        return _blockwise(self.blocks, M, apply)
+        return blockwise(self.blocks, M, apply)
 
-    def inverse(self, damping: float) -> CurvatureLinearOperator:
-        """The damped inverse (EKFAC + damping I)^{-1}, block by block (KFACInverseOperator)."""
-        return KFACInverseOperator(self, self._eigenbases, damping)
-
-
-class KFACInverseOperator(CurvatureLinearOperator):
-    r"""The damped inverse of a Kronecker-factored operator, block by block, exactly.
-
-    A block with eigenbases Q_B, Q_A and eigenvalues S (b a^T for KFAC; the corrected ones
-    for EKFAC) has the damped inverse
-
-    .. math:: (Q_B \otimes Q_A) \operatorname{diag}(S + \lambda)^{-1} (Q_B \otimes Q_A)^\top:
-              \quad V \mapsto Q_B \big[ (Q_B^\top V Q_A) \oslash (S + \lambda) \big] Q_A^\top
-
-    (Martens & Grosse, 2015, section 6.3, with exact rather than factored damping).
-    """
-
-    SELF_ADJOINT = True
-
-    def __init__(self, kfac: KFACOperator, eigenbases: dict, damping: float):
-        if not (isinstance(damping, numbers.Real) and 0 < damping < math.inf):
+    def inverse(self, damping: float, *, mode: str = "exact",
+                min_damping: float = 1e-8) -> CurvatureLinearOperator:  # fmt: skip
+        """The damped inverse (EKFAC + damping I)^{-1}, block by block (KFACInverseOperator);
+        only ``mode="exact"``: EKFAC is no Kronecker product whose factors could be damped."""
+        if mode != "exact":
             raise ValueError(
-                f"damping must be positive and finite, got {damping!r}; pass e.g. damping=1e-3."
+                f"EKFACOperator.inverse supports mode='exact' only (its corrected eigenvalues "
+                f"are not products of two factors' eigenvalues), got mode={mode!r}; use "
+                "KFACOperator for damping per factor."
             )
-        super().__init__(kfac.in_shapes, kfac.out_shapes, kfac.dtype, kfac.device)
-        self._blocks, self._eigenbases, self._damping = kfac.blocks, eigenbases, damping
+        return super().inverse(damping, mode=mode, min_damping=min_damping)
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
-            Q_B, Q_A, S = self._eigenbases[id(block)]
-            return Q_B @ ((Q_B.T @ V @ Q_A) / (S + self._damping)) @ Q_A.T
+    def _eigenvalues(self) -> Tensor:
+        """The corrected eigenvalues S of every block, flat: EKFAC's spectrum."""
+        return torch.cat([self._spectra[id(block)][4].flatten() for block in self.blocks])
 
-        return _blockwise(self._blocks, M, apply)
+    def trace(self) -> Tensor:
+        """tr = sum of the corrected eigenvalues."""
+        return self._eigenvalues().sum()
+
+    def logdet(self) -> Tensor:
+        """log det = sum of the logs of the corrected eigenvalues (-inf if one is 0)."""
+        return self._eigenvalues().log().sum()
+
+    def det(self) -> Tensor:
+        """det = product of the corrected eigenvalues (prefer :meth:`logdet`)."""
+        return self._eigenvalues().prod()
+
+    def frobenius_norm(self) -> Tensor:
+        """||EKFAC||_F = the 2-norm of the corrected eigenvalues (Q_B (x) Q_A is orthogonal)."""
+        return self._eigenvalues().norm()
+
+    def _factor_state(self) -> list[dict[str, Tensor]]:
+        # the eigenbases too: eigh's eigenvectors are unique up to signs and rotations only
+        return [{"B": block.B, "A": block.A, "Q_B": self._spectra[id(block)][0],
+                 "Q_A": self._spectra[id(block)][1], "S": self._spectra[id(block)][4]}
+                for block in self.blocks]  # fmt: skip
+
+    def _load_factor_state(self, factors: list[dict[str, Tensor]]) -> None:
+        for block, entry in zip(self.blocks, factors):
+            block.B, block.A = entry["B"], entry["A"]
+        self._spectra = {id(block): (entry["Q_B"], entry["Q_A"], None, None, entry["S"])
+                         for block, entry in zip(self.blocks, factors)}  # fmt: skip
 
 
-def _blockwise(
-    blocks: list[KroneckerBlock],
-    M: list[Tensor],
-    apply: Callable[[KroneckerBlock, Tensor], Tensor],
-) -> list[Tensor]:
-    """Apply each block's map to its parameters' columns, as matrices V [K, d_out, d_in]."""
-    result = [None] * len(M)
-    for block in blocks:
-        # weights [K, d_out, C_in (kh kw)], biases [K, d_out, 1]
-        parts = [M[i].reshape(M[i].shape[0], M[i].shape[1], -1) for i in block.param_indices]
-        AV = apply(block, torch.cat(parts, dim=2))
-        widths = [p.shape[-1] for p in parts]
-        for i, part in zip(block.param_indices, AV.split(widths, dim=2)):
-            result[i] = part.reshape(M[i].shape)
-    return result
+def _logdet(factor: Tensor) -> Tensor:
+    """log det of a positive semi-definite factor by Cholesky, 2 sum log diag(L); -inf where
+    the factor is singular to working precision (its Cholesky factorisation fails)."""
+    L, info = torch.linalg.cholesky_ex(factor)
+    if int(info) != 0:
+        return torch.tensor(-math.inf, dtype=factor.dtype, device=factor.device)
+    return 2 * torch.diagonal(L).log().sum()
 
 
 def _output_gradients(

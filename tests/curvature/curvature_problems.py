@@ -41,6 +41,20 @@ class TinyTransformer(nn.Module):
         return self.head(x).transpose(1, 2)
 
 
+class Tied(nn.Module):
+    """Two Linear layers sharing one weight (each called once), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 4)
+        self.second.weight = self.first.weight
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
 class DictInput(nn.Module):
     """A model whose batches are dicts {"a": [N, 3], "b": [N, 2]}."""
 
@@ -65,7 +79,8 @@ LOSSES = {"mse": nn.MSELoss, "ce": nn.CrossEntropyLoss, "bce": nn.BCEWithLogitsL
 
 
 def problem(name: str, loss_name: str = "ce", reduction: str = "mean", seed: int = 0):
-    """(model, loss_fn, data, batch_size_fn) for 'mlp', 'cnn', 'transformer' or 'dict'."""
+    """(model, loss_fn, data, batch_size_fn) for 'mlp', 'cnn', 'transformer', 'tied' or
+    'dict'."""
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     batch_size_fn = None
@@ -78,6 +93,9 @@ def problem(name: str, loss_name: str = "ce", reduction: str = "mean", seed: int
             nn.Flatten(), nn.Linear(8, 3),
         )  # fmt: skip
         inputs = [torch.randn(n, 2, 4, 4, generator=generator) for n in BATCH_SIZES]
+    elif name == "tied":
+        model = Tied()
+        inputs = [torch.randn(n, 4, generator=generator) for n in BATCH_SIZES]
     elif name == "transformer":
         model = TinyTransformer()
         inputs = [torch.randint(0, 5, (n, 3), generator=generator) for n in BATCH_SIZES]
@@ -129,6 +147,18 @@ class Flat:
 
     def output(self, theta, X):
         return functional_call(self.model, self.params(theta), (X,))
+
+
+def block_diagonal_part(matrix: torch.Tensor, model: nn.Module, groups: list[list[int]]):
+    """Keep the blocks of ``matrix`` whose rows and columns belong to one group of the
+    model's parameters (indices into ``model.parameters()``); zero elsewhere."""
+    sizes = [p.numel() for p in model.parameters()]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    mask = torch.zeros_like(matrix, dtype=torch.bool)
+    for group in groups:
+        index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
+        mask[index[:, None], index[None, :]] = True
+    return matrix * mask
 
 
 def _weights(loss_fn, data):

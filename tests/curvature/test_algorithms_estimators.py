@@ -18,15 +18,23 @@ DT = torch.float64
 
 
 class Op:
-    """Exposes only what an operator must: shape, dtype, device and @ (counts columns)."""
+    """Exposes only what an operator must: shape, dtype, device, @ and adjoint() (counts the
+    columns multiplied by A and by its adjoint together)."""
 
-    def __init__(self, A):
+    def __init__(self, A, counter: list[int] | None = None):
         self._A, self.shape, self.dtype, self.device = A, A.shape, A.dtype, A.device
-        self.products = 0
+        self._counter = [0] if counter is None else counter
+
+    @property
+    def products(self) -> int:
+        return self._counter[0]
 
     def __matmul__(self, X):
-        self.products += 1 if X.ndim == 1 else X.shape[1]
+        self._counter[0] += 1 if X.ndim == 1 else X.shape[1]
         return self._A @ X
+
+    def adjoint(self) -> Op:
+        return Op(self._A.mT, self._counter)
 
 
 def spd(D=60, seed=0):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from curvature_problems import dense_empirical_fisher, dense_ggn
+from curvature_problems import block_diagonal_part, dense_empirical_fisher, dense_ggn
 from torch import nn
 from torch.nn import functional as F
 
@@ -13,17 +13,6 @@ from avionics.curvature import EKFACOperator, KFACOperator
 
 def dense(A) -> torch.Tensor:
     return A @ torch.eye(A.shape[1], dtype=A.dtype)
-
-
-def block_diagonal_part(matrix: torch.Tensor, model: nn.Module, groups: list[list[int]]):
-    """Keep the blocks of ``matrix`` whose rows and columns belong to one group of params."""
-    sizes = [p.numel() for p in model.parameters()]
-    offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
-    mask = torch.zeros_like(matrix, dtype=torch.bool)
-    for group in groups:
-        index = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in group])
-        mask[index[:, None], index[None, :]] = True
-    return matrix * mask
 
 
 def _mlp():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from curvature_problems import Tied
 from spawned import on_ranks
 from torch import nn
 
@@ -44,20 +45,6 @@ NUM_DATA = 12
 #: Batch sizes of every process's shard, per world size.
 SHARDS = {2: ((3, 3), (3, 3)), 3: ((4,), (2, 3, 1), (2,))}
 REL = 1e-10
-
-
-class Tied(nn.Module):
-    """Two layers sharing one weight, each called once, then a head."""
-
-    def __init__(self):
-        super().__init__()
-        self.first = nn.Linear(4, 4)
-        self.second = nn.Linear(4, 4)
-        self.second.weight = self.first.weight
-        self.head = nn.Linear(4, 3)
-
-    def forward(self, x):
-        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
 
 
 def make_problem(name: str):

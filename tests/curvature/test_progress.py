@@ -25,6 +25,9 @@ class CountingOperator:
         self.products += 1 if X.ndim == 1 else X.shape[1]
         return self.matrix @ X
 
+    def adjoint(self):
+        return self  # symmetric
+
 
 # (name, call); each call returns a tensor, or a result whose ``values`` or ``density`` is one
 CALLS = {

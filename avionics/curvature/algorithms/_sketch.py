@@ -1,6 +1,7 @@
 """The first stage XTrace and XDiag share (Epperly, Tropp, Webber 2024, Sec. 2).
 
-A randomized range finder Q R = A Omega with m test vectors, Z = A Q (2m products in all), and
+A randomized range finder Q R = A Omega with m test vectors, Z = A Q (XTrace) or Z = A^T Q
+(XDiag: diag(Q Q^T A) needs the rows Q^T A; 2m products in all), and
 S = the column-normalised R^{-T}: Q S e_i is the direction that leaving out test vector w_i
 removes from range(Q), which makes the exchangeable (leave-one-out) estimators cheap.
 """
@@ -13,7 +14,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
-from ._matmul import _as_matmul, _generator, _random
+from ._matmul import _adjoint_matmul, _as_matmul, _generator, _random
 from ._progress import check_progress, progress_bar
 
 
@@ -23,7 +24,7 @@ class ExchangeableSketch:
     Y: Tensor  # A Omega
     Q: Tensor
     R: Tensor
-    Z: Tensor  # A Q
+    Z: Tensor  # A Q, or A^T Q
 
     @property
     def m(self) -> int:
@@ -42,10 +43,13 @@ class ExchangeableSketch:
         return S / S.norm(dim=0, keepdim=True)
 
 
-def exchangeable_sketch(A, num_products: int, kind: str, name: str, seed, generator, progress):
+def exchangeable_sketch(A, num_products: int, kind: str, name: str, seed, generator, progress,
+                        transpose: bool = False):  # fmt: skip
     """The sketch of ``A`` with m = num_products // 2 test vectors of ``kind`` (m <= D), its
-    2m products behind a progress bar (see :mod:`._progress`) named ``name``."""
+    2m products behind a progress bar (see :mod:`._progress`) named ``name``; Z = A^T Q
+    (by ``A.adjoint()``) if ``transpose``, else A Q."""
     mm = _as_matmul(A)
+    second = _adjoint_matmul(A, name) if transpose else mm
     m = num_products // 2
     if m < 2:
         raise ValueError(f"{name} needs num_products >= 4, got {num_products}")
@@ -56,6 +60,6 @@ def exchangeable_sketch(A, num_products: int, kind: str, name: str, seed, genera
         Y = mm(omega)
         bar.update(m)
         Q, R = torch.linalg.qr(Y)
-        Z = mm(Q)
+        Z = second(Q)
         bar.update(m)
     return ExchangeableSketch(omega, Y, Q, R, Z)

@@ -66,18 +66,30 @@ def xdiag(
     i.e. the exact diagonal of the low-rank part plus a one-vector Hutchinson diagonal of the
     rest, each unbiased since w_i is independent of P_i. From one QR A Omega = Q R,
     P_i = Q Q^T - q_i q_i^T with q_i = Q s_i, s_i the normalised i-th column of R^{-T}; with
-    Z = A^T Q = A Q (A symmetric is assumed) and T = Z^T Omega,
+    Z = A^T Q (by ``A.adjoint()``: A Q itself for a self-adjoint operator, so A need not be
+    symmetric; an operator without ``adjoint()`` is refused) and T = Z^T Omega,
 
         diag(P_i A) = diag(Q Z^T) - (Q s_i) * (Z s_i),
         (I - P_i) A w_i = y_i - Q t_i + Q s_i (s_i^T t_i).
 
-    Uses 2m products (A Omega and A Q; m is capped at D). If A Omega is rank deficient,
+    Uses 2m products (A Omega and A^T Q; m is capped at D). If A Omega is rank deficient,
     diag(Q Z^T) is exact.
     progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
         :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
         never.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import xdiag
+        >>> g = torch.Generator().manual_seed(0)
+        >>> U = torch.randn(40, 3, generator=g, dtype=torch.float64)
+        >>> A = U @ torch.randn(3, 40, generator=g, dtype=torch.float64)  # not symmetric
+        >>> torch.allclose(xdiag(A, 10), torch.diagonal(A))  # rank 3: exact
+        True
     """
-    sketch = exchangeable_sketch(A, num_products, "rademacher", "xdiag", seed, generator, progress)
+    sketch = exchangeable_sketch(
+        A, num_products, "rademacher", "xdiag", seed, generator, progress, transpose=True
+    )
     Om, Y, Q, Z, m = sketch.omega, sketch.Y, sketch.Q, sketch.Z, sketch.m
     exact_part = (Q * Z).sum(1)
     if sketch.rank_deficient:

@@ -66,6 +66,7 @@ def spectral_density(
     bandwidth: float = 0.01,
     margin: float = 0.05,
     reorthogonalize: bool = True,
+    boundaries: tuple[float, float] | None = None,
     seed: int | None = None,
     generator: torch.Generator | None = None,
     progress: bool | str = "auto",
@@ -81,6 +82,9 @@ def spectral_density(
         width is sigma = ``bandwidth`` * spread, and the grid has ``num_points`` points on
         [lower - margin * spread, upper + margin * spread] (margin >= 3 * bandwidth keeps the
         kernels' mass on the grid). A zero spread (A = c I) uses spread = max(|c|, 1).
+        ``boundaries`` (lower, upper), e.g. from :func:`approximate_boundaries`, replaces the
+        extreme Ritz values (an interval that holds the whole spectrum puts the kernels of
+        the extreme eigenvalues on the grid).
     reorthogonalize: full reorthogonalisation per probe (default; see the module docstring).
     progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
         :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
@@ -90,6 +94,8 @@ def spectral_density(
     D = mm.dim
     if num_probes < 1 or num_steps < 1:
         raise ValueError("num_probes and num_steps must be >= 1")
+    if boundaries is not None:
+        _check_boundaries(boundaries)
     check_progress("spectral_density", progress)
     m = min(num_steps, D)
     gen = _generator(seed, generator, mm.device)
@@ -107,8 +113,9 @@ def spectral_density(
         nodes[p, :n] = theta
         weights[p, :n] = Y[0] ** 2
     active = weights > 0
-    lower = float(nodes[active].min())
-    upper = float(nodes[active].max())
+    lower, upper = float(nodes[active].min()), float(nodes[active].max())
+    if boundaries is not None:
+        lower, upper = (float(b) for b in boundaries)
     spread = upper - lower
     if spread <= 1e-12 * max(abs(lower), abs(upper), 1e-300):
         spread = max(abs(upper), 1.0)
@@ -130,13 +137,77 @@ def spectral_density(
     )
 
 
+def approximate_boundaries(
+    A,
+    num_steps: int = 20,
+    *,
+    seed: int | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[float, float]:
+    """An interval [lower, upper] that holds the spectrum of a symmetric A, from
+    ``num_steps`` products (one Lanczos run from a Rademacher vector, fully reorthogonalised).
+
+    With theta_min, theta_max the extreme Ritz values of the m-step Lanczos tridiagonal and
+    beta_m the norm of its last residual f_m = A v_m - alpha_m v_m - beta_{m-1} v_{m-1},
+
+        lower = theta_min - beta_m,   upper = theta_max + beta_m
+
+    (Zhou & Li, "Bounding the spectrum of large Hermitian matrices", Linear Algebra Appl. 435,
+    2011; the bounds Lin, Saad & Yang 2016, section 3.1, use for spectral densities). The
+    Ritz values lie inside the spectrum and every Ritz value is within beta_m of an
+    eigenvalue, so the widened interval holds the extreme eigenvalues in practice (a start
+    vector nearly orthogonal to an extreme eigenvector can miss it; no bound from products
+    alone is certain). After an invariant subspace (beta = 0) the Ritz values are eigenvalues
+    and the interval is exact. ``num_steps`` is capped at D.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import approximate_boundaries
+        >>> A = torch.diag(torch.linspace(-1.0, 3.0, 100, dtype=torch.float64))
+        >>> lower, upper = approximate_boundaries(A, 20)
+        >>> lower <= -1.0 and 3.0 <= upper
+        True
+    """
+    mm = _as_matmul(A)
+    if num_steps < 1:
+        raise ValueError(f"approximate_boundaries needs num_steps >= 1, got {num_steps}")
+    m = min(num_steps, mm.dim)
+    gen = _generator(seed, generator, mm.device)
+    v0 = _random((mm.dim, 1), "rademacher", gen, mm.dtype, mm.device)
+    with progress_bar(False, m, "approximate_boundaries") as bar:
+        alphas, betas, lengths = _batched_lanczos(mm, v0, m, True, bar)
+    n = int(lengths[0])
+    T = (
+        torch.diag(alphas[0, :n])
+        + torch.diag(betas[0, : n - 1], 1)
+        + torch.diag(betas[0, : n - 1], -1)
+    )
+    theta = torch.linalg.eigvalsh(T)
+    residual = float(betas[0, m - 1]) if n == m else 0.0
+    return float(theta[0]) - residual, float(theta[-1]) + residual
+
+
+def _check_boundaries(boundaries) -> None:
+    if (
+        not isinstance(boundaries, (tuple, list))
+        or len(boundaries) != 2
+        or not all(isinstance(b, (int, float)) and math.isfinite(b) for b in boundaries)
+        or boundaries[0] > boundaries[1]
+    ):
+        raise ValueError(
+            f"spectral_density: boundaries must be (lower, upper), finite, lower <= upper, got "
+            f"{boundaries!r}; pass e.g. approximate_boundaries(A), or None."
+        )
+
+
 def _batched_lanczos(mm: MatMul, V0: Tensor, m: int, reorthogonalize: bool, bar):
     """m Lanczos steps from each column of V0 at once, fully reorthogonalised per column
     (or plain three-term Lanczos if not ``reorthogonalize``); each block product advances the
     progress bar ``bar`` by its columns.
 
-    Returns alphas [b, m], betas [b, m] (float64, CPU; betas[:, j] couples steps j and j+1) and
-    the per-column length (number of valid steps; shorter after an invariant subspace).
+    Returns alphas [b, m], betas [b, m] (float64, CPU; betas[:, j] couples steps j and j+1,
+    betas[:, m - 1] is the norm of the last residual) and the per-column length (number of
+    valid steps; shorter after an invariant subspace, whose last residual is 0).
     """
     D, b = V0.shape
     eps = torch.finfo(V0.dtype).eps
@@ -167,7 +238,8 @@ def _batched_lanczos(mm: MatMul, V0: Tensor, m: int, reorthogonalize: bool, bar)
                     * basis[(j - 1) % 2]
                 )
         beta = w.norm(dim=0)
-        if j + 1 == m:
+        if j + 1 == m:  # the last residual norm, for approximate_boundaries
+            betas[:, j] = torch.where(alive, beta, torch.zeros_like(beta)).double().cpu()
             break
         ended = alive & (beta <= 1e3 * eps * torch.clamp(scale, min=1e-300))
         for p in torch.nonzero(ended).flatten().tolist():

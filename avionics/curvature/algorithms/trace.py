@@ -104,7 +104,8 @@ def xtrace(
     A,
     num_products: int = 100,
     *,
-    improved: bool = True,
+    distribution: str = "gaussian",
+    improved: bool | None = None,
     return_error: bool = False,
     seed: int | None = None,
     generator: torch.Generator | None = None,
@@ -114,7 +115,9 @@ def xtrace(
     the most of every sample in stochastic trace estimation", SIAM J. Matrix Anal. Appl.
     45(1), eq. (1.4)-(1.5) and Algorithm 2).
 
-    With m = ``num_products // 2`` Gaussian test vectors Omega = [w_1 ... w_m] and, for each i,
+    With m = ``num_products // 2`` test vectors Omega = [w_1 ... w_m] (``distribution``:
+    ``"gaussian"``, the default, or ``"rademacher"``; any i.i.d. vectors with E[w w^T] = I) and,
+    for each i,
     Q_(i) an orthonormal basis of range(A Omega_{-i}) (the sketch without column i),
 
         tr_i = tr(Q_(i)^T A Q_(i)) + w_i^T (I - Q_(i) Q_(i)^T) A (I - Q_(i) Q_(i)^T) w_i,
@@ -128,7 +131,10 @@ def xtrace(
 
     improved: the paper's variance reduction (section 2.2): replace u_i = (I - P_i) w_i by
         u_i * sqrt(N - m + 1) / ||u_i||, which keeps E[u_i u_i^T] = I - P_i (u_i is isotropic in
-        the (N - m + 1)-dimensional complement) and removes the fluctuation of ||u_i||.
+        the (N - m + 1)-dimensional complement) and removes the fluctuation of ||u_i||. It
+        needs rotation-invariant (Gaussian) test vectors: a projected Rademacher vector is not
+        isotropic, and the rescaling would bias the estimate. None (default): True for
+        Gaussian vectors, False for Rademacher ones (True with Rademacher is refused).
     return_error: also return the error estimate std(tr_i) / sqrt(m) of the paper's eq. (2.8).
     progress: a progress bar over the products on stderr: ``"auto"`` once the call has run
         :data:`~avionics.curvature.algorithms._progress.DELAY` seconds, True at once, False
@@ -136,8 +142,26 @@ def xtrace(
 
     A need not be symmetric. If A Omega is rank deficient (A of rank < m), range(A Omega)
     contains range(A) and tr(Q^T A Q) is the exact trace, which is returned.
+
+    Example:
+        >>> import torch
+        >>> from avionics.curvature.algorithms import xtrace
+        >>> U = torch.randn(50, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        >>> A = U @ U.T  # rank 3: 8 products hold its range, the estimate is exact
+        >>> bool(torch.isclose(xtrace(A, 8, distribution="rademacher"), torch.trace(A)))
+        True
     """
-    sketch = exchangeable_sketch(A, num_products, "gaussian", "xtrace", seed, generator, progress)
+    if improved is None:
+        improved = distribution in ("gaussian", "normal")
+    elif improved and distribution not in ("gaussian", "normal"):
+        raise ValueError(
+            f"xtrace: improved=True rescales the projected test vectors, which is unbiased only "
+            f"for Gaussian ones, got distribution={distribution!r}; pass improved=False (or "
+            "leave it None) with Rademacher vectors, or distribution='gaussian'."
+        )
+    sketch = exchangeable_sketch(
+        A, num_products, distribution, "xtrace", seed, generator, progress
+    )
     Om, Q, R, Z, m = sketch.omega, sketch.Q, sketch.R, sketch.Z, sketch.m
     N = Om.shape[0]
     H = Q.T @ Z

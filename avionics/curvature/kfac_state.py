@@ -1,0 +1,96 @@
+"""The state of a Kronecker-factored operator (KFAC, EKFAC): its factors, and what they are of.
+
+A state is a dict of plain Python values and tensors (``torch.save`` stores it):
+
+* ``version``: the layout's version, 1;
+* ``operator``: the class name, ``"KFACOperator"`` or ``"EKFACOperator"``;
+* ``parameters``: the parameter names, in the operator's order;
+* ``blocks``: the parameter names of every block, in block order;
+* ``num_data``: the number of samples the factors are of;
+* ``configuration``: fisher_type, mc_samples, seed, separate_weight_and_bias, kfac_approx;
+* ``factors``: per block a dict of tensors: ``B`` [d_out, d_out], ``A`` [d_A, d_A] (and for
+  EKFAC its eigenbases ``Q_B``, ``Q_A`` and corrected eigenvalues ``S`` [d_out, d_A]).
+
+Loading checks all of it against the operator before anything is replaced, and names what
+does not match.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+STATE_VERSION = 1
+FACTOR_SHAPES = {"B": ("out", "out"), "A": ("in", "in"), "Q_B": ("out", "out"),
+                 "Q_A": ("in", "in"), "S": ("out", "in")}  # fmt: skip
+
+
+def operator_state(operator) -> dict:
+    """The state of ``operator`` (see the module docstring); the tensors are copies."""
+    return {
+        **operator_state_header(operator),
+        "factors": [
+            {key: tensor.detach().clone() for key, tensor in entry.items()}
+            for entry in operator._factor_state()
+        ],  # fmt: skip
+    }
+
+
+def check_state(operator, state) -> list[dict[str, Tensor]]:
+    """The factors of ``state``, on the operator's dtype and device, after checking that
+    every entry matches ``operator``; else a ValueError naming the first mismatch."""
+    owner = f"{type(operator).__name__}.load_state_dict"
+    expected = operator_state_header(operator)
+    if not isinstance(state, dict):
+        raise ValueError(f"{owner} needs the dict that state_dict() returns, got "
+                         f"{type(state).__name__}.")  # fmt: skip
+    missing = [key for key in (*expected, "factors") if key not in state]
+    if missing:
+        raise ValueError(f"{owner}: the state has no {missing} (is it from state_dict()?).")
+    for key, value in expected.items():
+        if state[key] != value:
+            raise ValueError(
+                f"{owner}: the state's {key} is {state[key]!r}, but this operator's is "
+                f"{value!r}; load a state saved from an operator with the same {key}."
+            )
+    factors = state["factors"]
+    if not isinstance(factors, list) or len(factors) != len(operator.blocks):
+        raise ValueError(f"{owner}: the state's factors must be a list of one dict per block "
+                         f"({len(operator.blocks)}).")  # fmt: skip
+    return [_check_block_factors(operator, block, entry, owner)
+            for block, entry in zip(operator.blocks, factors)]  # fmt: skip
+
+
+def operator_state_header(operator) -> dict:
+    """Everything in the state except the factors."""
+    return {
+        "version": STATE_VERSION,
+        "operator": type(operator).__name__,
+        "parameters": list(operator._param_names),
+        "blocks": [list(block.names) for block in operator.blocks],
+        "num_data": operator.num_data,
+        "configuration": operator._configuration(),
+    }
+
+
+def _check_block_factors(operator, block, entry, owner: str) -> dict[str, Tensor]:
+    keys = operator.STATE_FACTORS
+    if not isinstance(entry, dict) or set(entry) != set(keys):
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise ValueError(f"{owner}: the factors of block {block.describe()} must be a dict "
+                         f"with {list(keys)}, got {found}.")  # fmt: skip
+    sizes = {"out": block.layer.weight.shape[0], "in": 1}
+    if block.has_weight:
+        sizes["in"] = block.layer.weight[0].numel() + block.has_bias
+    checked = {}
+    for key in keys:
+        tensor, shape = entry[key], tuple(sizes[axis] for axis in FACTOR_SHAPES[key])
+        if not isinstance(tensor, Tensor) or tuple(tensor.shape) != shape:
+            got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
+            raise ValueError(f"{owner}: factor {key} of block {block.describe()} must be a "
+                             f"tensor of shape {shape}, got {got}.")  # fmt: skip
+        if not bool(torch.isfinite(tensor.sum())):  # one pass: a NaN or inf entry spreads
+            raise ValueError(f"{owner}: factor {key} of block {block.describe()} is not "
+                             "finite.")  # fmt: skip
+        checked[key] = tensor.detach().to(dtype=operator.dtype, device=operator.device)
+    return checked
