@@ -77,10 +77,11 @@ class EmbeddingRule(Rule):
                 for name, v in directions[0].items()
             }
         if request.sum_sq:
-            out["sum_sq"] = torch.zeros_like(self.module.weight).index_add_(
+            out["sum_sq"] = rows.new_zeros(self.module.weight.shape).index_add_(
                 0, self.row_token, rows.pow(2)
             )
         return [out]
 
     def total(self) -> list[Tensor]:
-        return [torch.zeros_like(self.module.weight).index_add_(0, self.row_token, self.rows)]
+        total = self.rows.new_zeros(self.module.weight.shape)
+        return [total.index_add_(0, self.row_token, self.rows)]
