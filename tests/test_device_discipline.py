@@ -63,3 +63,11 @@ def test_a_collective_buffer_lives_where_its_backend_communicates(device):
     if device == "cuda":
         assert collective_device("nccl", cpu).type == "cuda"
         assert collective_device("gloo", torch.device("cuda", 0)).type == "cuda"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU it runs the whole GPU section")
+def test_the_gpu_script_says_there_is_no_gpu_and_exits_0(capsys):
+    from benchmarks import gpu
+
+    assert gpu.main([]) == 0
+    assert "no CUDA device" in capsys.readouterr().out

@@ -15,14 +15,16 @@ Tolerances (:data:`RTOL`, :data:`MOVED`), per dtype:
 * every float value v of a quantity at a step: |ours - v| <= RTOL * max(|v|, s), s the
   largest finite magnitude among the quantity's float values at that step (a per-parameter
   list, a dict), so that an entry that cancels to near zero is held to the scale of its
-  quantity: 1e-2 in float16, 4e-2 in bfloat16 (measured worst: 5e-3 and 1.6e-2);
+  quantity: 5e-3 in float16, 4e-2 in bfloat16 (measured worst: 1.5e-3 and 1.6e-2, both
+  GradientNoiseScale);
 * the same for the quantities of second derivatives, HessMaxEV, HessTrace and
   PreconditionedSharpness (Hessian-vector products through the double backward of the 16-bit
   graph; the preconditioner of gradient coordinates below float16's normal range): 3e-2 in
-  float16, 6e-2 in bfloat16 (measured worst: 1.7e-2 and 2.9e-2, PreconditionedSharpness);
+  float16, 6e-2 in bfloat16 (measured worst: 1.7e-2 and 2.9e-2, PreconditionedSharpness;
+  HessMaxEV within 6e-4 and 5e-3);
 * histogram counts: the same total, and at most MOVED of the elements in another bin (an
   element within rounding of a bin edge lands on either side): 2 % in float16, 5 % in
-  bfloat16;
+  bfloat16 (measured worst: 0.6 % and 1.6 %);
 * TICDiag, sum_d s_d / (h_d + eps), is ill-conditioned where a diagonal entry h_d is near
   -eps (its condition grows as 1 / (h_d + eps)^2 without bound): it is checked finite and
   present, not against the reference; HessTrace checks the same diagonal h.
@@ -42,7 +44,7 @@ from devices import device_fixture  # noqa: F401 (the fixture `device`)
 from avionics import Cockpit, configuration
 from avionics.persample import Request
 
-RTOL = {torch.float16: 1e-2, torch.bfloat16: 4e-2}
+RTOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
 # the quantities of the second derivative (through the double backward of the 16-bit graph)
 SECOND_ORDER = {"HessMaxEV", "HessTrace", "PreconditionedSharpness"}
 SECOND_ORDER_RTOL = {torch.float16: 3e-2, torch.bfloat16: 6e-2}
@@ -50,24 +52,27 @@ MOVED = {torch.float16: 0.02, torch.bfloat16: 0.05}
 HALF = [pytest.param(torch.float16, id="float16"), pytest.param(torch.bfloat16, id="bfloat16")]
 NOT_COMPARED = {"TICDiag"}  # (ill-conditioned: module docstring)
 HISTOGRAMS = {"GradHist1d", "GradHist2d"}
+ECONOMY_ADAM = "economy (Adam)"
 
 
 def _optimizer(model, preset: str):
-    # PreconditionedSharpness (transformer preset) reads Adam's state; eps 1e-3 is a float16
+    # PreconditionedSharpness (transformer preset) reads Adam's state; with Adam, Alpha projects
+    # after the update with the start step's parameters swapped in. eps 1e-3 is a float16
     # number (Adam's default 1e-8 rounds to 0 there, and a zero second moment divides by 0)
-    if preset == "transformer":
+    if preset in ("transformer", ECONOMY_ADAM):
         return torch.optim.Adam(model.parameters(), lr=1e-3, eps=1e-3)
     return torch.optim.SGD(model.parameters(), lr=0.05)
 
 
 def lockstep(half, X, y, loss_fn, preset: str, steps: int = 2):
     """Cockpit outputs of ``half`` and of its float64 copy, run in lockstep (module
-    docstring): (ours, reference)."""
+    docstring): (ours, reference). ``preset``: a configuration's label, or
+    :data:`ECONOMY_ADAM` (economy with Adam)."""
     reference = copy.deepcopy(half).double()
     X_ref = X.double() if X.is_floating_point() else X
     models_ = [(half, X), (reference, X_ref)]
     optimizers = [_optimizer(m, preset) for m, _ in models_]
-    cockpits = [Cockpit(m, configuration(preset)) for m, _ in models_]
+    cockpits = [Cockpit(m, configuration(preset.split(" ")[0])) for m, _ in models_]
     for step in range(steps):
         for (model, inputs), opt, cockpit in zip(models_, optimizers, cockpits, strict=True):
             opt.zero_grad()
@@ -158,7 +163,7 @@ def _histogram_mismatch(step, name, mine: dict, theirs: dict, dtype) -> list[str
     return found
 
 
-@pytest.mark.parametrize("preset", ["economy", "business", "full", "transformer"])
+@pytest.mark.parametrize("preset", ["economy", ECONOMY_ADAM, "business", "full", "transformer"])
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("architecture", ["mlp", "cnn", "transformer"])
 def test_every_preset_of_a_half_model_matches_its_float64_reference(
