@@ -59,19 +59,31 @@ def unwrap(model: nn.Module) -> tuple[nn.Module, nn.Module | None]:
 def sum_over_processes(tensors: list[Tensor], world: World) -> list[Tensor]:
     """Each tensor summed over the processes, by one ``all_reduce`` of one packed buffer.
 
-    The buffer is float64 (integer counts below 2^53 stay exact), on the tensors' device;
-    each result has its tensor's shape and dtype. With one process: the tensors themselves.
+    The buffer is float64 (integer counts below 2^53 stay exact), on the device the process
+    group communicates on (:func:`collective_device`: a CUDA device under NCCL, which takes
+    no CPU tensor, else the first tensor's device); each result has its tensor's shape, dtype
+    and device. With one process: the tensors themselves.
     """
     if world.size == 1 or not tensors:
         return tensors
-    device = tensors[0].device
+    device = collective_device(dist.get_backend(), tensors[0].device)
     buffer = torch.cat([t.detach().reshape(-1).to(device, torch.float64) for t in tensors])
     dist.all_reduce(buffer)
     out, start = [], 0
     for t in tensors:
-        out.append(buffer[start : start + t.numel()].reshape(t.shape).to(t.dtype))
+        part = buffer[start : start + t.numel()].reshape(t.shape)
+        out.append(part.to(t.device, t.dtype))
         start += t.numel()
     return out
+
+
+def collective_device(backend: str, device: torch.device) -> torch.device:
+    """Where a collective's buffer must live for ``backend``: NCCL communicates CUDA tensors
+    only (the process's current CUDA device unless ``device`` is one), every other backend
+    (gloo: CPU and CUDA tensors) takes the tensors' ``device``."""
+    if "nccl" in str(backend).lower() and device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def all_processes(value: Tensor, world: World) -> Tensor:

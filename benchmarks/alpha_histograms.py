@@ -20,13 +20,20 @@ the RSS high-water of a fresh process over three steps, instrumented / plain. Th
 tool (cockpit-for-pytorch) is timed the same way where installed and able to run the
 problem, with at most ``--reference-budget`` seconds of steps per cell.
 
+The kernels alone (``--kernels``, its own section): the numba kernels of
+:mod:`avionics.quantities.binning` against its torch operations (the path of tensors on an
+accelerator, run here on the CPU) on the same chunks, with 1 and 2 torch threads (numba's
+kernels run on one), nanoseconds per counted element, the fastest of 5 runs each.
+
 Run: ``python -m benchmarks.alpha_histograms`` (all), or e.g.
-``python -m benchmarks.alpha_histograms --problems mlp --configs GradHist1d --no-write``.
+``python -m benchmarks.alpha_histograms --problems mlp --configs GradHist1d --no-write``;
+``python -m benchmarks.alpha_histograms --kernels``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -34,6 +41,8 @@ import warnings
 import torch
 
 from avionics import configuration
+from avionics.persample import OuterProducts
+from avionics.quantities import binning
 from benchmarks.memory import probe_growth, probe_steps
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
@@ -106,6 +115,78 @@ def memory_ratio(problem: str, config: str, threads: int) -> float:
     )
 
 
+def _fastest(run, repeats: int = 5) -> float:
+    run()  # (compiles or loads the numba kernel; warms torch's allocator)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def kernel_rows(threads: int) -> list[list[str]]:
+    """numba against torch on the CPU, one row per kind of chunk (module docstring): a
+    materialised chunk [128, 20000] (a convolution's G_n) and a Linear layer's outer
+    products of delta [128, 256] and x [128, 512], counted in 1d (100 bins) and 2d (40 x 50
+    bins)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    g = torch.randn(128, 20000, generator=gen) * 0.3
+    outer = OuterProducts(torch.randn(128, 256, generator=gen) * 0.1, torch.randn(128, 512))
+    counts, joint = torch.zeros(100, dtype=torch.int64), torch.zeros(2000, dtype=torch.int64)
+
+    def offsets(d: int) -> torch.Tensor:
+        theta = torch.randn(d, generator=gen)
+        return binning.bin_index(theta, 50, -2.0, 2.0).mul_(40).to(torch.int32)
+
+    cases = [
+        ("1d, materialised", g, g.numel(), None),
+        ("1d, outer products", outer, 128 * 256 * 512, None),
+        ("2d, materialised", g, g.numel(), offsets(20000)),
+        ("2d, outer products", outer, 128 * 256 * 512, offsets(256 * 512)),
+    ]
+    rows = []
+    for name, chunk, elements, offset in cases:
+        if offset is None:
+            ours = _fastest(lambda c=chunk: binning.count_1d(c, -2.0, 2.0, counts))
+            theirs = _fastest(lambda c=chunk: binning.torch_count_1d(c, -2.0, 2.0, counts))
+        else:
+            ours = _fastest(lambda c=chunk, o=offset: binning.count_2d(c, o, 40, -1, 1, joint))
+            theirs = _fastest(
+                lambda c=chunk, o=offset: binning.torch_count_2d(c, o, 40, -1, 1, joint)
+            )
+        rows.append([name, str(threads), f"{1e9 * ours / elements:.2f}",
+                     f"{1e9 * theirs / elements:.2f}", f"{theirs / ours:.1f}"])  # fmt: skip
+        print(" | ".join(rows[-1]), flush=True)
+    return rows
+
+
+def kernels_section(write: bool) -> None:
+    rows = [row for threads in (1, 2) for row in kernel_rows(threads)]
+    header = ["chunk", "torch threads", "numba ns/element", "torch ns/element",
+              "torch (x numba)"]  # fmt: skip
+    markdown = "\n\n".join(
+        [
+            "## Histogram kernels: numba against torch operations on the CPU",
+            machine() + f"; load average {os.getloadavg()[0]:.1f} while it ran (a shared "
+            "machine: the rows of 2 torch threads suffer most from other processes' load).",
+            "The same chunks counted by the numba kernels and by the torch operations "
+            "(`bin_index` in float64, then `scatter_add_`, in parts of 2^20 values; a Linear "
+            "layer's products formed a part at a time) that count tensors on an accelerator; "
+            "the counts are the same (tests/quantities/test_binning.py). Fastest of 5 runs. "
+            "The torch operations are slower on the CPU, so CPU tensors keep the numba "
+            "kernels and every other device takes the torch operations (no copy to the host, "
+            "no compilation).",
+            table(header, rows),
+        ]
+    )
+    if write:
+        write_section("histogram-kernels", markdown)
+    else:
+        print(markdown)
+
+
 def _maker(cls, kind, names):
     return lambda model, loss_fn: cls(model, loss_fn, kind, names)
 
@@ -128,12 +209,16 @@ def main(argv=None) -> None:
                         help="seconds of timed steps per reference cell")  # fmt: skip
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--kernels", action="store_true",
+                        help="only the numba against torch kernel section")  # fmt: skip
     parser.add_argument("--probe", nargs=3, metavar=("PROBLEM", "CONFIG", "plain|avionics"),
                         help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args(argv)
     if args.probe:
         problem, config, tool = args.probe
         return _probe(problem, config, tool == "plain", args.steps, args.threads)
+    if args.kernels:
+        return kernels_section(not args.no_write)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore")
     why_not = reference_available()

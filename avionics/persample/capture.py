@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -137,8 +138,12 @@ class Capture:
         modules: list[nn.Module],
         axes: dict[nn.Module, int] | None = None,
         owners: list | None = None,
+        members=None,
     ):
         self.root = model
+        # the model's modules (a container; the engine's names): the output visitors see
+        # these only, not the calls of another model running while this capture is armed
+        self._members = set(model.modules()) if members is None else members
         self._axes = batch_axes(model) if axes is None else axes  # (:func:`batch_axes`)
         # (the model's parameter owners for the broadcast rule, where the engine keeps them)
         self._owners = owners
@@ -205,7 +210,7 @@ class Capture:
     def _on_forward(self, module, args, kwargs, output) -> None:
         if not torch.is_grad_enabled():
             return
-        if self._output_visitors:
+        if self._output_visitors and module in self._members:
             self._summarise(module, output)
         if module not in self._watched:
             return
@@ -277,6 +282,63 @@ class Capture:
             if call.received_gradient:
                 grouped[call.module].append(call)
         return dict(grouped)
+
+
+# 16-bit floats (a half-precision model, or a forward under autocast): the engine computes
+# from them in float32 (:func:`at_least_float32`).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def computing_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype statistics of tensors in ``dtype`` are computed in: float32 for 16-bit
+    floats, else ``dtype`` itself."""
+    return torch.float32 if dtype in LOW_PRECISION else dtype
+
+
+def computing(t: Tensor) -> Tensor:
+    """``t`` (a parameter, a direction) in the dtype the engine computes in: float32 where
+    it is a 16-bit float, else itself."""
+    return t.float() if t.dtype in LOW_PRECISION else t
+
+
+def at_least_float32(
+    calls: dict[nn.Module, list[ModuleCall]], where: Callable[[nn.Module], str]
+) -> torch.dtype | None:
+    """Cast the captured 16-bit tensors of ``calls`` (inputs, output gradients and the
+    per-sample gradients of broadcast additions) to float32, in place, so that every rule
+    computes in float32 or better; the least precise dtype cast, or None where none was.
+
+    The inputs are checked unchanged first (the cast copies are new tensors; ``where(module)``
+    names a module in the error)."""
+    cast: set[torch.dtype] = set()
+
+    def up(t):
+        if isinstance(t, Tensor) and t.dtype in LOW_PRECISION:
+            cast.add(t.dtype)
+            return t.float()
+        return t
+
+    for module_calls in calls.values():
+        for call in module_calls:
+            held = [*call.inputs, *call.grad_outputs, *call.broadcast_grad_outputs]
+            held += call.shared_parameter_gradients.values()
+            low = any(isinstance(t, Tensor) and t.dtype in LOW_PRECISION for t in held)
+            if not low and not any(o.dtype in LOW_PRECISION for o in call.outputs):
+                continue
+            call.check_inputs_unchanged(where(call.module))
+            call.args, call.kwargs = pytree.tree_map_only(Tensor, up, (call.args, call.kwargs))
+            call.inputs = [up(t) for t in call.inputs]
+            call.input_versions = [t._version for t in call.inputs]
+            call.grad_outputs = [up(g) for g in call.grad_outputs]
+            call.broadcast_grad_outputs = [up(g) for g in call.broadcast_grad_outputs]
+            call.shared_parameter_gradients = {
+                k: up(g) for k, g in call.shared_parameter_gradients.items()
+            }
+            for out in call.outputs:
+                if out.dtype in LOW_PRECISION:
+                    cast.add(out.dtype)
+                    out.dtype = torch.float32
+    return max(cast, key=lambda dtype: torch.finfo(dtype).eps) if cast else None
 
 
 def output_edge(node) -> Tensor | GradientEdge:

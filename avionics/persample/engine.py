@@ -32,7 +32,14 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import Capture, ModuleCall, batch_axes
+from avionics.persample.capture import (
+    Capture,
+    ModuleCall,
+    at_least_float32,
+    batch_axes,
+    computing,
+    computing_dtype,
+)
 from avionics.persample.rules.broadcast import parameter_owners
 from avionics.persample.step import CapturedStep
 
@@ -86,7 +93,7 @@ class PerSampleEngine:
             self._watched = sorted(watched, key=lambda m: self._names[m])
             self._axes = batch_axes(self.model)
             self._owners = parameter_owners(self.model)
-        return Capture(self.model, self._watched, self._axes, self._owners)
+        return Capture(self.model, self._watched, self._axes, self._owners, self._names)
 
     def rerouted(self, k: int) -> bool:
         """Whether the gradient check moved parameter k to the root module's generic rule."""
@@ -157,9 +164,16 @@ class PerSampleEngine:
         backward), the routing is first checked against them when the pattern of calls is new
         (:meth:`check`); a parameter that fails is routed through the root's generic rule.
         ``rtol``: the check's relative tolerance, where the captured tensors are less precise
-        than the gradients (a forward under autocast; default by the gradients' dtype).
+        than the gradients (a forward under autocast; default by the gradients' dtype, or by
+        that of the 16-bit captured tensors).
+
+        Captured 16-bit tensors (a half-precision model, autocast) are cast to float32 first:
+        every statistic is computed in float32 or better.
         """
         self._warn_batch_statistics()
+        cast = at_least_float32(calls, self.module_name)
+        if cast is not None and rtol is None:
+            rtol = 4 * torch.finfo(cast).eps  # (the backward rounded each product to it)
         _find_batch_axes(calls, n)
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
@@ -270,7 +284,7 @@ class PerSampleEngine:
         with torch.no_grad():
             # absolute slack relative to the whole gradient: a parameter whose gradient is
             # zero up to rounding (a bias before BatchNorm) must not fail the check
-            total_norm = sum(gradients[k].norm() ** 2 for k in checked) ** 0.5 * factor
+            total_norm = sum(_norm(gradients[k]).square() for k in checked) ** 0.5 * factor
             left = {k: len(step.contributions[k]) for k in checked}
             summed: dict[int, Tensor] = {}  # k -> sum of its contributions so far (tied)
 
@@ -278,7 +292,7 @@ class PerSampleEngine:
                 actual = gradients[k]
                 tol = max(CHECK_RTOL.get(actual.dtype, 1e-2), rtol or 0)
                 atol = 100 * torch.finfo(actual.dtype).eps * total_norm
-                if _difference_norm(total, actual, factor) > tol * factor * actual.norm() + atol:
+                if _difference_norm(total, actual, factor) > tol * factor * _norm(actual) + atol:
                     mismatched.append(k)
 
             for k in [k for k in checked if left[k] == 0]:  # no contribution: g_n = 0
@@ -319,6 +333,12 @@ class PerSampleEngine:
         return f"{prefix}.{name}" if prefix else name
 
 
+def _norm(t: Tensor) -> Tensor:
+    """||t||, of a 16-bit tensor accumulated and returned in float32 (no overflow of float16's
+    largest value 65504 by the sum of squares)."""
+    return torch.linalg.vector_norm(t, dtype=computing_dtype(t.dtype))
+
+
 def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Tensor:
     """||total - factor * actual|| (total None: zero), a slice at a time: the temporaries
     are of :data:`CHECK_CHUNK` elements, not of the parameter's size."""
@@ -326,7 +346,7 @@ def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Ten
     actual_flat = actual.reshape(-1)
     square = actual_flat.new_zeros((), dtype=torch.float64)
     for start in range(0, actual_flat.numel(), CHECK_CHUNK):
-        part = actual_flat[start : start + CHECK_CHUNK] * -factor
+        part = computing(actual_flat[start : start + CHECK_CHUNK]) * -factor
         if total_flat is not None:
             part += total_flat[start : start + CHECK_CHUNK]
         square += torch.linalg.vector_norm(part).double().square()

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import ModuleCall
+from avionics.persample.capture import ModuleCall, computing, computing_dtype
 from avionics.persample.request import Accumulator, Request, Statistics
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import Rule, chunk_size
@@ -142,6 +142,8 @@ class CapturedStep:
 
     def _statistics(self, rules, request: Request, directions) -> Statistics:
         contributions, params = self.contributions, self.engine.params
+        # directions of a 16-bit model (its mean gradient, its update) in float32
+        directions = {d: [_computing(v) for v in vs] for d, vs in directions.items()}
         with torch.no_grad():
             per_param: list[dict] = [{} for _ in params]
             # Projections are linear in g_n: a parameter with several contributions (tied
@@ -246,6 +248,12 @@ def factorable(rule: Rule) -> bool:
     return isinstance(rule, LinearRule) and rule.delta.shape[2] == 1
 
 
+def _computing(v):
+    """A direction in the dtype the engine computes in (a factored one is so already: its
+    factors are captured tensors)."""
+    return v if isinstance(v, FactoredDirection) else computing(v)
+
+
 def _unchanged(v):
     return v
 
@@ -272,7 +280,7 @@ def _reindexed(request: Request, k: int) -> Request:
 def _zero_statistics(p: Tensor, request: Request, directions, n: int, k: int) -> dict:
     """A parameter no gradient reached: every g_n is zero."""
     acc = Accumulator(request, {d: dense(directions[d][k]) for d in request.directions}, k)
-    acc.add(p.new_zeros(n, *p.shape))
+    acc.add(p.new_zeros(n, *p.shape, dtype=computing_dtype(p.dtype)))
     return acc.result()
 
 

@@ -200,7 +200,7 @@ class _Start:
 
     @classmethod
     def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
-        n, f, var_f = _moments(data.totals["Alpha"], "f")
+        n, f, var_f = _moments(data.totals["Alpha"], "f", data.batch_size)
         start = cls(data.step, n, f, var_f)
         optimizer = data.optimizer
         # Under data parallelism the update is -lr times what the processes' gradients average
@@ -342,9 +342,9 @@ class _Start:
         """Alpha of this start and the end step ``data`` (None, with a warning, where the
         parameters changed between ``optimizer.step()`` and this step)."""
         totals = data.totals["Alpha"]
-        n, f1, vf1 = _moments(totals, "f")
-        _, df0, vdf0 = _moments(totals, "df0")
-        _, df1, vdf1 = _moments(totals, "df1")
+        n, f1, vf1 = _moments(totals, "f", data.batch_size)
+        _, df0, vdf0 = _moments(totals, "df0", data.batch_size)
+        _, df1, vdf1 = _moments(totals, "df1", data.batch_size)
         if min(n, self.n) < 2:
             warnings.warn(
                 f"Alpha at step {self.step} needs batches of at least 2 samples for its "
@@ -439,11 +439,11 @@ def _moment_sums(name: str, values: Tensor) -> dict[str, Tensor]:
     }
 
 
-def _moments(totals: dict[str, Tensor], name: str) -> tuple[int, Tensor, Tensor]:
-    """(N, mean, unbiased variance) from the :func:`_moment_sums` of all samples; the
-    variance (sum x^2 - (sum x)^2 / N) / (N - 1), nan for N < 2."""
+def _moments(totals: dict[str, Tensor], name: str, count: int) -> tuple[int, Tensor, Tensor]:
+    """(N, mean, unbiased variance) from the :func:`_moment_sums` of all ``count`` samples
+    (the global batch size, known on the host: no read of the summed count); the variance
+    (sum x^2 - (sum x)^2 / N) / (N - 1), nan for N < 2."""
     n, total, squares = (totals[f"{name}.{key}"] for key in ("n", "sum", "sq"))
-    count = int(n)
     mean = total / n
     if count < 2:
         return count, mean, torch.full_like(mean, math.nan)

@@ -26,8 +26,14 @@ Why kernels: a histogram of N * D elements costs one read of each at best. ``tor
 the element once; these loops take about 0.5 ns (1d) and 1 ns (2d). The increments are the
 bottleneck (a run of equal bins serialises on one counter), so counts go to several private
 counters, and in 1d with ``bins <= PAIR_BINS`` two values are counted with one increment of
-their joint bin b(x_1) * bins + b(x_2), marginalised at the end. Tensors on an accelerator are
-counted with ``torch.histc`` / ``torch.bincount``.
+their joint bin b(x_1) * bins + b(x_2), marginalised at the end.
+
+Tensors on any other device (a GPU) are counted where they are, by torch operations that give
+the same counts (:func:`torch_count_1d`, :func:`torch_count_2d`: the bins of
+:func:`bin_index`, in float64, added by ``scatter_add_``, which needs no host synchronisation;
+a Linear layer's products formed a part at a time): no copy to the host and no compilation.
+On the CPU they are 5-60x slower than these kernels (BENCHMARKS.md, "Histogram kernels"),
+so CPU tensors keep the kernels.
 
 The kernels are compiled on first use and cached on disk where numba finds a writable folder
 (``NUMBA_CACHE_DIR``, this package's ``__pycache__``, or the user-wide cache under
@@ -360,8 +366,8 @@ def _as_numpy(values: Tensor) -> np.ndarray:
 
 
 def _factors(chunk: OuterProducts) -> tuple[np.ndarray, np.ndarray]:
-    dtype = torch.promote_types(chunk.delta.dtype, chunk.x.dtype)
-    return _as_numpy(chunk.delta.to(dtype)), _as_numpy(chunk.x.to(dtype))
+    delta, x = _same_dtype(chunk)
+    return _as_numpy(delta), _as_numpy(x)
 
 
 def _search_pays(rows: np.ndarray, factors: np.ndarray, scale: float) -> bool:
@@ -380,7 +386,7 @@ def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor
     (int64 [bins], on the chunk's device)."""
     bins, scale = counts.numel(), counts.numel() / (hi - lo)
     if chunk.device.type != "cpu":
-        torch_count_1d(_tensor(chunk), lo, hi, counts)
+        torch_count_1d(chunk, lo, hi, counts)
     elif isinstance(chunk, OuterProducts):
         # the longer factor is sorted (numpy's vectorised sort), the other one iterated
         delta, x = _factors(chunk)
@@ -405,7 +411,7 @@ def count_2d(
     ``bins`` bins on [lo, hi]. Give int32 offsets: the kernel reads them once per sample."""
     scale = bins / (hi - lo)
     if chunk.device.type != "cpu":
-        torch_count_2d(_tensor(chunk), offsets, bins, lo, hi, counts)
+        torch_count_2d(chunk, offsets, bins, lo, hi, counts)
         return
     offsets_np = offsets.to(torch.int32).contiguous().numpy()  # no copy when int32 already
     if isinstance(chunk, OuterProducts):
@@ -421,20 +427,63 @@ def bin_index(values: Tensor, bins: int, lo: float, hi: float) -> Tensor:
     return b.nan_to_num_(nan=bins - 1).clamp_(0, bins - 1).to(torch.int64)
 
 
-def _tensor(chunk: Tensor | OuterProducts) -> Tensor:
-    return chunk.materialize() if isinstance(chunk, OuterProducts) else chunk
+# Values binned per torch operation (their float64 bins and int64 indices: 16 bytes each,
+# 16 MiB a part).
+TORCH_PART = 2**20
 
 
-def torch_count_1d(values: Tensor, lo: float, hi: float, counts: Tensor) -> None:
-    """:func:`count_1d` of a tensor in torch operations, for accelerators (NaN uncounted)."""
+def torch_count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor) -> None:
+    """:func:`count_1d` in torch operations on the chunk's device, the same counts (NaN in
+    the last bin): the bins of :func:`bin_index`, added with ``scatter_add_`` (no host
+    synchronisation, unlike ``bincount``, whose output size is read on the host), a part of
+    at most :data:`TORCH_PART` values at a time; a Linear layer's products delta_{n,o}
+    x_{n,i} are formed a part at a time, rounded in the factors' dtype as the kernels round
+    them."""
     bins = counts.numel()
-    counts += torch.histc(values.reshape(-1).clamp(lo, hi), bins, lo, hi).to(torch.int64)
+    for part, _ in _parts(chunk, 1):
+        index = bin_index(part, bins, lo, hi).reshape(-1)
+        counts.scatter_add_(0, index, torch.ones_like(index))
 
 
 def torch_count_2d(
-    values: Tensor, offsets: Tensor, bins: int, lo: float, hi: float, counts: Tensor
+    chunk: Tensor | OuterProducts, offsets: Tensor, bins: int, lo: float, hi: float, counts
 ) -> None:
-    """:func:`count_2d` of a tensor in torch operations, for accelerators."""
-    index = torch.add(values.reshape(-1, offsets.numel()), -lo).mul_(bins / (hi - lo))
-    index = index.clamp_(0, bins - 1).to(torch.int64).add_(offsets)
-    counts += torch.bincount(index.reshape(-1), minlength=counts.numel())
+    """:func:`count_2d` in torch operations on the chunk's device, the same counts (as
+    :func:`torch_count_1d`, each element's bin plus the offset of its column)."""
+    offsets = offsets.reshape(-1)
+    for part, pairs in _parts(chunk, offsets.numel()):
+        if pairs is None:  # part [rows, D]: the offsets of every row
+            columns = offsets
+        else:  # the products of pairs (n, o): the offsets of weight row o
+            o = chunk.delta.shape[1]
+            columns = offsets.view(o, -1)[pairs % o]
+        index = bin_index(part, bins, lo, hi).add_(columns).reshape(-1)
+        counts.scatter_add_(0, index, torch.ones_like(index))
+
+
+def _parts(chunk: Tensor | OuterProducts, width: int):
+    """(values, pairs) of consecutive parts of the chunk's values, of about
+    :data:`TORCH_PART` each: a tensor [rows, ``width``] and None, or for outer products the
+    products [pairs, I] of the pairs (n, o) of their rows, rounded in the factors' dtype, and
+    those pairs' indices n * O + o."""
+    if isinstance(chunk, OuterProducts):
+        delta, x = _same_dtype(chunk)
+        o, i = delta.shape[1], x.shape[1]
+        flat = delta.reshape(-1)
+        per = max(1, TORCH_PART // max(1, i))
+        for start in range(0, flat.numel(), per):
+            pairs = torch.arange(start, min(flat.numel(), start + per), device=x.device)
+            yield flat[pairs, None] * x[pairs // o], pairs
+        return
+    values = chunk.reshape(-1, width)
+    per = max(1, TORCH_PART // max(1, width))
+    for start in range(0, len(values), per):
+        yield values[start : start + per], None
+
+
+def _same_dtype(chunk: OuterProducts) -> tuple[Tensor, Tensor]:
+    """The factors in their common dtype, float32 at least (their products are rounded to
+    it, by the kernels and by the torch operations alike)."""
+    dtype = torch.promote_types(chunk.delta.dtype, chunk.x.dtype)
+    dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    return chunk.delta.to(dtype), chunk.x.to(dtype)

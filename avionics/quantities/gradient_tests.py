@@ -79,13 +79,13 @@ class _GradientTest(Quantity):
             warnings.warn(
                 f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
             )
-            nan = torch.tensor(float("nan"), dtype=torch.float64)
+            nan = torch.tensor(float("nan"), dtype=torch.float64, device=data.params[0].device)
             if self.per_layer:
                 return {data.step: self.layered(nan, nan.repeat(len(data.params)))}
             return {data.step: nan}
         g_sq = mean_gradient_sq_norm(data)
-        # (a host transfer per step only until the warning is given)
-        if not self._warned_zero_gradient and bool(g_sq == 0):
+        # (one host transfer per step for the three tests, only until the warning is given)
+        if not self._warned_zero_gradient and _zero_gradient(data):
             self._warned_zero_gradient = True
             warnings.warn(
                 f"{self.name} at step {data.step}: the mean gradient is zero, so the test is "
@@ -164,3 +164,11 @@ class OrthoTest(_GradientTest):
     @staticmethod
     def statistic(total, g_sq, n):
         return (total / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
+
+
+def _zero_gradient(data: StepData) -> bool:
+    """Whether ||g||^2 of the mean gradient is zero: read on the host once per step, shared by
+    the gradient tests."""
+    if "g_sq is zero" not in data.shared:
+        data.shared["g_sq is zero"] = bool(mean_gradient_sq_norm(data) == 0)
+    return data.shared["g_sq is zero"]

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from avionics.curvature.algorithms.lanczos import BlockOperator, LanczosState, top_eigenpairs
 from avionics.curvature.step._autograd import NO_SECOND_DERIVATIVE
+from avionics.persample.capture import computing, computing_dtype
 from avionics.quantities.arguments import checked_int, checked_real, checked_seed
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.curvature import _graph_grads
@@ -200,16 +201,20 @@ class _HessianProduct:
         self.shapes = [p.shape for p in self.leaves]
         self.kept = kept
         self.dim = int(offsets[-1])
-        self.dtype, self.device = self.leaves[0].dtype, self.leaves[0].device
+        # (a 16-bit model's Lanczos vectors and products in float32)
+        self.dtype, self.device = computing_dtype(self.leaves[0].dtype), self.leaves[0].device
 
     def __call__(self, v: Tensor) -> list[Tensor | None]:
-        tangents = [v[self.slices[k]].view(self.shapes[k]) for k in self.kept]
+        tangents = [
+            v[self.slices[k]].view(self.shapes[k]).to(self.leaves[k].dtype) for k in self.kept
+        ]
         try:
             products = list(
                 torch.autograd.grad(
                     self.grads, self.leaves, tangents, retain_graph=True, allow_unused=True
                 )
             )
+            products = [p if p is None else computing(p) for p in products]
         except RuntimeError as error:
             if "is not implemented" in str(error) and "derivative for" in str(error):
                 raise RuntimeError(NO_SECOND_DERIVATIVE.format(error=error)) from error

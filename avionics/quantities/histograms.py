@@ -206,7 +206,7 @@ class GradHist1d(_Histogram):
 
     def sums(self, data: StepData):
         if self._counts is None:  # no tracked parameter had any element
-            self._counts = torch.zeros(self.bins, dtype=torch.int64)
+            self._counts = torch.zeros(self.bins, dtype=torch.int64, device=data.params[0].device)
         sums = {"hist": self._counts}
         if self.adapt is not None and self.adapt.source == "grad":
             sums["max"] = _slots_of_max(self._max, data)
@@ -299,7 +299,7 @@ class GradHist2d(_Histogram):
         xbins, ybins = self.bins
         per_param = [
             c.reshape(ybins, xbins).t() if c is not None
-            else torch.zeros(xbins, ybins, dtype=torch.int64)
+            else torch.zeros(xbins, ybins, dtype=torch.int64, device=data.params[0].device)
             for c in self._counts
         ]  # fmt: skip
         total = per_param[0].clone()
@@ -329,7 +329,10 @@ class GradHist2d(_Histogram):
 def _slots_of_max(grad_max: Tensor | None, data: StepData) -> Tensor:
     """This process's max_{n,d} |g_{n,d}| in its slot of a [processes] vector: the sum over
     the processes holds every one's, whose max is the global batch's."""
-    mine = torch.zeros((), dtype=torch.float64) if grad_max is None else grad_max.double()
+    if grad_max is None:
+        mine = torch.zeros((), dtype=torch.float64, device=data.params[0].device)
+    else:
+        mine = grad_max.double()
     return data.world.slots(mine.reshape(()))
 
 

@@ -117,7 +117,9 @@ class _NoiseScaleEstimate(Quantity):
         if not self.per_process:
             terms = per_parameter_rows(data.statistics.sq_norms).sum(1)
         elif data.local_grads is None:
-            terms = torch.full((len(data.params),), math.nan, dtype=torch.float64)
+            terms = torch.full(
+                (len(data.params),), math.nan, dtype=torch.float64, device=data.params[0].device
+            )
         else:
             terms = torch.stack([global_norm_squared([g]).double() for g in data.local_grads])
             if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from avionics.curvature.algorithms.lanczos import BlockOperator
+from avionics.persample.capture import computing
 from avionics.quantities.base import StepData
 from avionics.quantities.curvature import _graph_grads
 from avionics.quantities.hess_max_ev import (
@@ -118,6 +119,7 @@ def inverse_sqrt_preconditioner(data: StepData) -> list[Tensor]:
         if group is None or graph_grad is None:
             scales.append(torch.zeros_like(g))
             continue
+        g = computing(g)  # (of a 16-bit model: in float32)
         coupled = not (adam and group.get("decoupled_weight_decay"))
         if group["weight_decay"] and coupled:
             g = g + group["weight_decay"] * p.detach()

@@ -82,8 +82,9 @@ class _SecondMoment(Quantity):
         then = then or (lambda mean: mean)
         value = then(terms.mean().double())
         if self.per_layer:
-            sizes = torch.tensor([p.numel() for p in data.params], dtype=torch.float64)
-            means = per_parameter_sums(terms, data).double() / sizes.to(value.device)
+            sizes = [p.numel() for p in data.params]
+            sizes = torch.tensor(sizes, dtype=torch.float64, device=value.device)
+            means = per_parameter_sums(terms, data).double() / sizes
             return self.layered(value, then(means))
         return value
 

@@ -1,5 +1,6 @@
 """The binning kernels against numpy.histogram / numpy.histogram2d."""
 
+import math
 import os
 import subprocess
 import sys
@@ -83,7 +84,7 @@ def test_bin_index_agrees_with_the_kernel():
 
 
 def test_torch_fallbacks_match_the_kernels():
-    """The accelerator path, run on the CPU (finite values: it does not count NaN)."""
+    """The accelerator path, run on the CPU, on finite values (NaN and the edges: below)."""
     values = random_values(3000, torch.float64, seed=4)
     values = values[values.isfinite()]
     ours, theirs = (torch.zeros(31, dtype=torch.int64) for _ in range(2))
@@ -97,6 +98,89 @@ def test_torch_fallbacks_match_the_kernels():
     binning.count_2d(g, offsets, 11, -1.0, 1.0, ours)
     binning.torch_count_2d(g, offsets, 11, -1.0, 1.0, theirs)
     np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def edge_values(bins: int, lo: float, hi: float, dtype) -> torch.Tensor:
+    """Every edge of the bins and its neighbours one rounding below and above (in ``dtype``),
+    values beyond the range, +-inf and NaN: where two ways of binning could disagree."""
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64).to(dtype)
+    up = torch.nextafter(edges, torch.full_like(edges, math.inf))
+    down = torch.nextafter(edges, torch.full_like(edges, -math.inf))
+    special = torch.tensor([2 * lo, 2 * hi, 0.0, math.inf, -math.inf, math.nan], dtype=dtype)
+    return torch.cat([edges, up, down, special])
+
+
+def brute_force_1d(chunk, bins: int, lo: float, hi: float) -> np.ndarray:
+    """A loop over samples: each sample's values (its products formed in the factors' dtype,
+    float32 at least), binned one by one as floor((x - lo) bins / (hi - lo)) in float64,
+    clamped, NaN in the last bin."""
+    counts = np.zeros(bins, np.int64)
+    scale = bins / (hi - lo)
+    for values in _per_sample(chunk):
+        for v in values.double().reshape(-1).tolist():
+            b = bins - 1 if math.isnan(v) else min(max((v - lo) * scale, 0.0), bins - 1)
+            counts[int(b)] += 1
+    return counts
+
+
+def _per_sample(chunk):
+    if isinstance(chunk, OuterProducts):
+        dtype = torch.promote_types(chunk.delta.dtype, chunk.x.dtype)
+        dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+        for d, x in zip(chunk.delta.to(dtype), chunk.x.to(dtype), strict=True):
+            yield d[:, None] * x[None, :]
+    else:
+        yield from chunk
+
+
+def brute_force_2d(chunk, offsets: torch.Tensor, bins, lo, hi, size: int) -> np.ndarray:
+    counts = np.zeros(size, np.int64)
+    for values in _per_sample(chunk):
+        index = binning.bin_index(values.reshape(-1), bins, lo, hi) + offsets.reshape(-1)
+        for b in index.tolist():
+            counts[b] += 1
+    return counts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("bins", [7, 100, binning.PAIR_BINS + 1])
+def test_the_torch_kernels_count_as_the_numba_kernels_and_a_loop_over_samples(
+    dtype, bins, monkeypatch
+):
+    """Values at and one rounding beside every bin edge, outside the range, infinite and NaN;
+    parts of a few values each (TORCH_PART small), so that a sample spans several parts."""
+    monkeypatch.setattr(binning, "TORCH_PART", 37)
+    lo, hi = -0.75, 1.25
+    edges = edge_values(bins, lo, hi, dtype)
+    g = torch.cat([edges, random_values(6 * 64 - len(edges) % 64, dtype, seed=9)])
+    g = g[: len(g) - len(g) % 6].reshape(6, -1)
+    expected = brute_force_1d(g, bins, lo, hi)
+    for count in (binning.count_1d, binning.torch_count_1d):
+        counts = torch.zeros(bins, dtype=torch.int64)
+        count(g, lo, hi, counts)
+        np.testing.assert_array_equal(counts.numpy(), expected, err_msg=count.__name__)
+
+    # a Linear layer's products delta_{n,o} x_{n,i}, counted without the [N, O, I] tensor
+    delta = torch.cat([edges[:5], torch.tensor([1.0, -1.0, 0.5], dtype=dtype)])
+    delta = torch.stack([delta, delta.flip(0), delta * 0.5])
+    x = torch.stack([edges, edges.flip(0), random_values(len(edges), dtype, seed=10)])
+    outer = OuterProducts(delta, x)
+    expected = brute_force_1d(outer, bins, lo, hi)
+    assert expected.sum() == delta.numel() * x.shape[1]
+    for count in (binning.count_1d, binning.torch_count_1d):
+        counts = torch.zeros(bins, dtype=torch.int64)
+        count(outer, lo, hi, counts)
+        np.testing.assert_array_equal(counts.numpy(), expected, err_msg=count.__name__)
+
+    # 2d: the joint bins with the offsets of each element's parameter bin
+    for chunk, width in ((g, g.shape[1]), (outer, delta.shape[1] * x.shape[1])):
+        theta = torch.linspace(-3, 3, width, dtype=torch.float64)
+        offsets = (binning.bin_index(theta, 5, -2.0, 2.0) * bins).to(torch.int32)
+        expected = brute_force_2d(chunk, offsets, bins, lo, hi, 5 * bins)
+        for count in (binning.count_2d, binning.torch_count_2d):
+            counts = torch.zeros(5 * bins, dtype=torch.int64)
+            count(chunk, offsets, bins, lo, hi, counts)
+            np.testing.assert_array_equal(counts.numpy(), expected, err_msg=count.__name__)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

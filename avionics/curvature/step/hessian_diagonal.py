@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from avionics.curvature.step._autograd import batched_grad
+from avionics.persample.capture import computing_dtype
 
 MAX_PROBES = 50_000
 
@@ -71,7 +72,8 @@ def hessian_diagonal_by_probes(
     total = sum(sizes)
     ref = params[0]
     chunk = chunk or max(1, min(total, 2**23 // max(total, 1), 1024))
-    diag = torch.empty(total, dtype=ref.dtype, device=ref.device)
+    # (a 16-bit model's diagonal kept in float32)
+    diag = torch.empty(total, dtype=computing_dtype(ref.dtype), device=ref.device)
     for start in range(0, total, chunk):
         stop = min(total, start + chunk)
         k = stop - start

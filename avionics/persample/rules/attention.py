@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from avionics.persample.capture import computing
 from avionics.persample.rules.base import output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 from avionics.persample.rules.generic import GenericRule
@@ -108,8 +109,9 @@ def _call_factors(module: nn.MultiheadAttention, call, n: int) -> dict[str, tupl
     if module.batch_first:
         xs = [x.transpose(0, 1) for x in xs]
     e = module.embed_dim
-    weight, bias = module.in_proj_weight.detach(), module.in_proj_bias
-    biases = [None] * 3 if bias is None else bias.detach().chunk(3)
+    # (a 16-bit module's parameters in float32, as its captured tensors)
+    weight, bias = computing(module.in_proj_weight.detach()), module.in_proj_bias
+    biases = [None] * 3 if bias is None else computing(bias.detach()).chunk(3)
     q, k, v = (F.linear(x, w, b).requires_grad_() for x, w, b in zip(xs, weight.chunk(3), biases))
     eye = torch.eye(e, dtype=q.dtype, device=q.device)
     with replayed(call.rng_state) if call.rng_state is not None else nullcontext():
@@ -124,7 +126,7 @@ def _call_factors(module: nn.MultiheadAttention, call, n: int) -> dict[str, tupl
     delta = output_gradient(call)  # d loss / d y, y = o W_o^T + b_o
     if module.batch_first:
         delta = delta.transpose(0, 1)
-    grads = torch.autograd.grad(o, (q, k, v), delta @ module.out_proj.weight.detach())
+    grads = torch.autograd.grad(o, (q, k, v), delta @ computing(module.out_proj.weight.detach()))
 
     def per_sample(ts):  # [T, N, F] each -> [N, groups, T, F]
         return torch.stack([t.movedim(1, 0) for t in ts], 1)

@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from avionics.persample.capture import computing_dtype
 from avionics.persample.request import Accumulator, Request
 
-if TYPE_CHECKING:  # (capture imports the rules)
+if TYPE_CHECKING:
     from avionics.persample.capture import ModuleCall
 
 # Bytes one materialised chunk of per-sample gradients may take.
@@ -93,7 +94,7 @@ class Rule:
 
     def total(self) -> list[Tensor]:
         """sum_n g_n per parameter (checked against autograd's gradient)."""
-        totals = [torch.zeros_like(p) for p in self.params]
+        totals = [torch.zeros_like(p, dtype=computing_dtype(p.dtype)) for p in self.params]
         for _, chunk in self.chunks():
             for t, c in zip(totals, chunk, strict=True):
                 t += c.sum(0)

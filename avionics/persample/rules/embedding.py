@@ -43,7 +43,7 @@ class EmbeddingRule(Rule):
             delta = delta.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
         vocab = module.num_embeddings
         sample = torch.arange(n, device=index.device).unsqueeze(1).expand_as(index)
-        keys, inverse = torch.unique((sample * vocab + index).flatten(), return_inverse=True)
+        keys, inverse = _distinct((sample * vocab + index).flatten())
         # rows[u] = the gradient row of (sample, token) pair u, summed over its positions
         self.rows = delta.new_zeros(len(keys), delta.shape[-1]).index_add_(
             0, inverse, delta.flatten(0, 1)
@@ -53,10 +53,12 @@ class EmbeddingRule(Rule):
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         weight = self.module.weight
         out = self.rows.new_zeros(stop - start, *weight.shape)
-        keep = (self.row_sample >= start) & (self.row_sample < stop)
-        out.index_put_(
-            (self.row_sample[keep] - start, self.row_token[keep]), self.rows[keep], accumulate=True
-        )
+        # the rows of other samples add zeros to row 0 (no boolean mask: its size would be
+        # read on the host)
+        local = self.row_sample - start
+        keep = (local >= 0) & (local < stop - start)
+        rows = self.rows * keep.unsqueeze(1)
+        out.index_put_((local * keep, self.row_token), rows, accumulate=True)
         return [out]
 
     def statistics(self, requests: list[Request], directions) -> list[dict]:
@@ -77,10 +79,26 @@ class EmbeddingRule(Rule):
                 for name, v in directions[0].items()
             }
         if request.sum_sq:
-            out["sum_sq"] = torch.zeros_like(self.module.weight).index_add_(
+            out["sum_sq"] = rows.new_zeros(self.module.weight.shape).index_add_(
                 0, self.row_token, rows.pow(2)
             )
         return [out]
 
     def total(self) -> list[Tensor]:
-        return [torch.zeros_like(self.module.weight).index_add_(0, self.row_token, self.rows)]
+        total = self.rows.new_zeros(self.module.weight.shape)
+        return [total.index_add_(0, self.row_token, self.rows)]
+
+
+def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:
+    """(slots, inverse): ``keys[i]`` belongs to slot ``inverse[i]``, equal keys to one slot,
+    and ``slots[s]`` is the key of slot s. Like ``torch.unique(keys, return_inverse=True)``
+    but with as many slots as keys (those past the distinct ones hold key 0 and receive
+    nothing): the output size does not depend on the values, so no host synchronisation reads
+    it."""
+    ordered, order = keys.sort()
+    first = torch.ones_like(ordered, dtype=torch.bool)
+    first[1:] = ordered[1:] != ordered[:-1]
+    slot = first.cumsum(0) - 1  # the slot of each sorted key
+    inverse = torch.empty_like(slot).scatter_(0, order, slot)
+    slots = torch.zeros_like(keys).scatter_(0, slot, ordered)
+    return slots, inverse

@@ -24,6 +24,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
+from avionics.persample.capture import LOW_PRECISION, computing
 from avionics.persample.rules.base import Rule, output_gradient
 
 # Modules whose forward vmap could not batch, and vmap's error: the per-sample loop is used.
@@ -56,8 +57,11 @@ class GenericRule(Rule):
             a = _batch_axis_of(d, axis, n)
             deltas.append(d.narrow(a, start, stop - start) * self.output_gradient_factor)
             delta_axes.append(a)
-        params = {name: p.detach() for name, p in zip(self.names, self.params, strict=True)}
+        params = {
+            name: computing(p.detach()) for name, p in zip(self.names, self.params, strict=True)
+        }
         module = self.module
+        fixed = _in_float32(module, params)
 
         def sample_gradient(sample_leaves, sample_deltas):
             def forward(theta):
@@ -66,7 +70,7 @@ class GenericRule(Rule):
                     for t, b in zip(sample_leaves, batched, strict=True)
                 ]
                 args, kwargs = pytree.tree_unflatten(restored, spec)
-                out = functional_call(module, theta, args, kwargs, strict=False)
+                out = functional_call(module, (theta, fixed), args, kwargs, strict=False)
                 return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
 
             _, pull = vjp(forward, params)
@@ -131,6 +135,17 @@ def _reference_rnn_kernel(module):
         yield
     finally:
         torch._C._set_mkldnn_enabled(enabled)
+
+
+def _in_float32(module: nn.Module, tracked: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The module's other 16-bit parameters and buffers (not in ``tracked``) in float32, by
+    name: a half-precision module re-runs in float32 on its float32 captured inputs."""
+    named = [*module.named_parameters(), *module.named_buffers()]
+    return {
+        name: t.detach().float()
+        for name, t in named
+        if name not in tracked and t.dtype in LOW_PRECISION
+    }
 
 
 def _detach(leaf):

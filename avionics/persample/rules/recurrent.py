@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
+from avionics.persample.capture import computing
 from avionics.persample.rules.base import Rule, output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
@@ -136,10 +137,11 @@ def _tap(t: Tensor) -> Tensor:
 
 def _weights(module: nn.RNNBase, suffix: str):
     """W_ih, W_hh, b_ih, b_hh of one layer and direction (biases None without bias)."""
-    weights = [module.get_parameter(f"weight_{s}{suffix}").detach() for s in ("ih", "hh")]
-    if not module.bias:
-        return *weights, None, None
-    return *weights, *(module.get_parameter(f"bias_{s}{suffix}").detach() for s in ("ih", "hh"))
+    names = [f"weight_{s}{suffix}" for s in ("ih", "hh")]
+    names += [f"bias_{s}{suffix}" for s in ("ih", "hh")] if module.bias else []
+    # (in float32 for a 16-bit module, as its captured tensors)
+    tensors = [computing(module.get_parameter(name).detach()) for name in names]
+    return (*tensors, None, None) if not module.bias else tuple(tensors)
 
 
 def _time_major_input(module: nn.RNNBase, call) -> tuple[Tensor, PackedSequence | None]:
