@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from avionics.persample.precision import LOW_PRECISION
 from avionics.persample.request import Request
 
 # A forward that is never backpropagated (e.g. an evaluation pass run with gradients enabled)
@@ -282,23 +283,6 @@ class Capture:
             if call.received_gradient:
                 grouped[call.module].append(call)
         return dict(grouped)
-
-
-# 16-bit floats (a half-precision model, or a forward under autocast): the engine computes
-# from them in float32 (:func:`at_least_float32`).
-LOW_PRECISION = (torch.float16, torch.bfloat16)
-
-
-def computing_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype statistics of tensors in ``dtype`` are computed in: float32 for 16-bit
-    floats, else ``dtype`` itself."""
-    return torch.float32 if dtype in LOW_PRECISION else dtype
-
-
-def computing(t: Tensor) -> Tensor:
-    """``t`` (a parameter, a direction) in the dtype the engine computes in: float32 where
-    it is a 16-bit float, else itself."""
-    return t.float() if t.dtype in LOW_PRECISION else t
 
 
 def at_least_float32(

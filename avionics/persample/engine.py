@@ -32,14 +32,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import (
-    Capture,
-    ModuleCall,
-    at_least_float32,
-    batch_axes,
-    computing,
-    computing_dtype,
-)
+from avionics.persample.capture import Capture, ModuleCall, at_least_float32, batch_axes
+from avionics.persample.precision import computing, computing_dtype
 from avionics.persample.rules.broadcast import parameter_owners
 from avionics.persample.step import CapturedStep
 

@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import ModuleCall, computing, computing_dtype
+from avionics.persample.capture import ModuleCall
+from avionics.persample.precision import computing, computing_dtype
 from avionics.persample.request import Accumulator, Request, Statistics
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import Rule, chunk_size

@@ -21,7 +21,7 @@ from torch import Tensor
 
 from avionics.curvature.algorithms.lanczos import BlockOperator, LanczosState, top_eigenpairs
 from avionics.curvature.step._autograd import NO_SECOND_DERIVATIVE
-from avionics.persample.capture import computing, computing_dtype
+from avionics.persample.precision import computing, computing_dtype
 from avionics.quantities.arguments import checked_int, checked_real, checked_seed
 from avionics.quantities.base import Quantity, StepData
 from avionics.quantities.curvature import _graph_grads

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from avionics.curvature.algorithms.lanczos import BlockOperator
-from avionics.persample.capture import computing
+from avionics.persample.precision import computing
 from avionics.quantities.base import StepData
 from avionics.quantities.curvature import _graph_grads
 from avionics.quantities.hess_max_ev import (

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from avionics.curvature.step._autograd import batched_grad
-from avionics.persample.capture import computing_dtype
+from avionics.persample.precision import computing_dtype
 
 MAX_PROBES = 50_000
 
@@ -78,7 +78,9 @@ def hessian_diagonal_by_probes(
         stop = min(total, start + chunk)
         k = stop - start
         E = torch.zeros(k, total, dtype=ref.dtype, device=ref.device)
-        E[torch.arange(k), torch.arange(start, stop)] = 1
+        rows = torch.arange(k, device=ref.device)
+        columns = torch.arange(start, stop, device=ref.device)
+        E[rows, columns] = 1
         parts = [
             e.reshape(k, *p.shape) for e, p in zip(E.split(sizes, dim=1), params, strict=True)
         ]
@@ -90,6 +92,6 @@ def hessian_diagonal_by_probes(
             ],
             dim=1,
         )
-        diag[start:stop] = flat[torch.arange(k), torch.arange(start, stop)]
+        diag[start:stop] = flat[rows, columns]
     diag = diag.detach() * scale
     return [d.reshape(p.shape) for d, p in zip(diag.split(sizes), params, strict=True)]

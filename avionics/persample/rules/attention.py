@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from avionics.persample.capture import computing
+from avionics.persample.precision import computing
 from avionics.persample.rules.base import output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 from avionics.persample.rules.generic import GenericRule

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import computing_dtype
+from avionics.persample.precision import computing_dtype
 from avionics.persample.request import Accumulator, Request
 
 if TYPE_CHECKING:

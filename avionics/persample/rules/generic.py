@@ -24,7 +24,7 @@ from torch.func import functional_call, vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
-from avionics.persample.capture import LOW_PRECISION, computing
+from avionics.persample.precision import LOW_PRECISION, computing
 from avionics.persample.rules.base import Rule, output_gradient
 
 # Modules whose forward vmap could not batch, and vmap's error: the per-sample loop is used.

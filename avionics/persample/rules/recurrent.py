@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
 
-from avionics.persample.capture import computing
+from avionics.persample.precision import computing
 from avionics.persample.rules.base import Rule, output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
