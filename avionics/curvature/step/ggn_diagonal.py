@@ -32,7 +32,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from avionics.curvature.step.loss_root import check_exact_columns, loss_hessian_root
+from avionics.curvature.step.loss_root import (
+    check_exact_columns,
+    loss_gradient,
+    loss_hessian_root,
+)
 from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
@@ -72,9 +76,7 @@ def ggn_diagonal(
     m = out_shape.numel() // n
     if mc_samples is None:
         check_exact_columns(out_shape, m)
-    (u,) = torch.autograd.grad(
-        individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
-    )
+    u = loss_gradient(individual_losses, root)
     root_of = loss_hessian_root(individual_losses, root, u)
     if mc_samples is None:
         columns = root_of.columns()
