@@ -140,8 +140,9 @@ def choose_variant(
     bad = not_piecewise_linear(model)
     if obstacle is not None:
         m = None
+    columns = min(AUTO_MAX_COLUMNS, MAX_OUTPUT_SIZE)  # (the exact GGN diagonal's reach)
     if not bad:
-        if m is not None and m <= AUTO_MAX_COLUMNS:
+        if m is not None and m <= columns:
             return "diag_h", (
                 f"the network is piecewise linear in each weight, so the exact Hessian "
                 f"diagonal is the GGN's, {m} backward passes per step"
@@ -165,10 +166,11 @@ def choose_variant(
             f"({AUTO_MAX_PROBES} Hessian-vector products or {AUTO_MAX_COLUMNS} backward passes "
             f"per step): the GGN diagonals cannot run ({obstacle}), and the exact Hessian "
             f"diagonal of this network takes {dim} Hessian-vector products per step. What "
-            f"works for this model: curvature='diag_h' with max_probes={max(dim, MAX_PROBES)} "
-            f"(its {dim} products per step)."
+            f"works for this model: curvature='diag_h'"
+            + (f" with max_probes={dim}" if dim > MAX_PROBES else "")
+            + f" (its {dim} products per step)."
         )
-    if m <= AUTO_MAX_COLUMNS:
+    if m <= columns:
         return "diag_ggn_exact", f"{exact_hessian}; the exact GGN diagonal takes {m}"
     return "diag_ggn_mc", (
         f"{exact_hessian}; the exact GGN diagonal would take {m} backward passes (one per "
