@@ -17,7 +17,6 @@ import pytest
 import real_models
 import torch
 from models import per_sample_gradients
-from torch.func import functional_call
 from torch.nn import functional as F
 
 from avionics import Cockpit
