@@ -8,6 +8,7 @@ whole-model re-run and no per-sample loop); every preset runs a step in float32 
 values; the curvature diagonals equal the dense Hessian on small versions.
 """
 
+import copy
 import math
 import warnings
 from contextlib import contextmanager
@@ -274,3 +275,61 @@ def test_a_parameter_no_forward_uses_has_zero_per_sample_gradients(rules):
     names = [name for name, _ in model.named_parameters()]
     for name in ("unused", "spare.weight", "spare.bias"):
         assert float(stats.sq_norms[names.index(name)].abs().max()) == 0.0
+
+
+# The architectures of issue 24, tiny: every preset on each, in the plain loop.
+TINY = {
+    "gpt2": lambda **kw: real_models.gpt2_lm(n=3, t=6, width=16, **kw),
+    "bert": lambda **kw: real_models.bert_classifier(n=3, t=6, width=16, **kw),
+    "encoder": lambda **kw: real_models.transformer_encoder(n=3, t=6, width=16, **kw),
+    "resnet": lambda **kw: real_models.basic_block_resnet(n=4, image=8, **kw),
+    "lstm_lm": lambda **kw: real_models.lstm_lm(n=3, t=4, vocab=8, **kw),
+    "packed_gru": lambda **kw: real_models.packed_gru(n=3, t=4, **kw),
+    "vit": lambda **kw: real_models.vit(n=3, **kw),
+}
+PRESETS = ("economy", "business", "full", "transformer")
+
+
+def two_tracked_steps(model, X, y, loss_fn, preset: str) -> dict:
+    """The README's loop for two tracked steps, with a plain forward (gradients on) of another
+    copy of the model before each step's forward (an EMA copy, a teacher): the output."""
+    other = copy.deepcopy(model)
+    make = torch.optim.AdamW if preset == "transformer" else torch.optim.SGD
+    optimizer = make(model.parameters(), lr=1e-3)
+    cockpit = Cockpit(model, quantities=configuration(preset))
+    for step in range(2):
+        other(X)
+        losses = loss_fn(model(X), y)
+        loss = losses.mean()
+        info = {
+            "loss": loss,
+            "individual_losses": losses,
+            "batch_size": len(losses),
+            "optimizer": optimizer,
+        }
+        with cockpit(step, info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    cockpit.close()
+    return cockpit.get_output()
+
+
+@pytest.mark.slow  # (28 runs of two steps: minutes on two cores)
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_every_preset_runs_two_steps_with_another_model_s_forward_between(name, preset):
+    """Every preset finishes two tracked steps on every architecture in float32, each of its
+    quantities with finite values at step 0 (Alpha and the two-step ones need step 1's
+    start), and no refusal: curvature="auto" picks what runs."""
+    model, X, y, loss_fn = TINY[name](dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = two_tracked_steps(model, X, y, loss_fn, preset)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "one sample at a time" in m], messages
+    tracked_at_0 = {type(q).__name__ for q in configuration(preset) if q.is_active(0)}
+    assert tracked_at_0 - {"Alpha", "UpdateSize", "UpdateRatio"} <= set(output[0]), output[0]
+    for name_ in tracked_at_0 & set(output[0]):
+        assert _finite(output[0][name_]), (name_, output[0][name_])
+    assert {"Loss", "GradNorm"} <= set(output[1])
