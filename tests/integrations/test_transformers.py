@@ -321,3 +321,29 @@ def test_the_trainer_s_tensorboard_reporting_gets_the_cockpit_s_values(tmp_path,
     assert scalars("train/cockpit/Alpha") == pytest.approx(
         {t + 2: output[t]["Alpha"] for t in range(2)}, rel=1e-6
     )
+
+
+def test_full_runs_on_a_causal_language_model(tmp_path, monkeypatch):
+    """configuration("full") as the module docstring shows it: the shifted, padded token
+    cross entropy is recognised on entering each step (the softmax Hessian per token), so
+    curvature="auto" takes the Monte-Carlo GGN diagonal (never the dense loss Hessian) and
+    the steps finish with positive, finite traces."""
+    import warnings
+
+    from avionics.curvature.step import loss_root
+
+    def dense(*args):
+        raise AssertionError("the dense loss-Hessian root was used")
+
+    monkeypatch.setattr(loss_root, "_dense_root", dense)
+    model = tiny_gpt2()
+    trainer = trainer_for(tmp_path, model, configuration("full"), steps=2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train()
+    chosen = [str(w.message) for w in said if "(curvature='auto') computes" in str(w.message)]
+    assert chosen and all("computes 'diag_ggn_mc'" in m for m in chosen), chosen
+    output = trainer.cockpit.get_output()
+    trainer.cockpit.close()
+    assert all(math.isfinite(sum(output[t]["HessTrace"])) for t in (0, 1))
+    assert all(sum(output[t]["HessTrace"]) > 0 for t in (0, 1))
