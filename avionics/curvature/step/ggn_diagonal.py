@@ -18,13 +18,14 @@ summed over the columns by each parameter's per-layer rule (:meth:`Rule.column_s
 shared axes, all columns in one product per sample for convolutions, the rule's own statistics
 for everything else), routed as the per-sample engine routes the parameter.
 
-Cost, with K columns (V - 1 = 9 for 10 classes): K backwards from the output to the layer
-outputs (no weight gradients), each roughly the input-gradient half of a backward; for each
-convolution, K times the multiply-adds of its forward (the per-sample, per-column weight
-gradients have no cheaper exact form); for Linear layers, one product the size of the layer's
-forward in all. So on 10 classes the exact diagonal costs several plain steps on any network
-whose backward is not negligible; the MC diagonal costs one column. The exact diagonal needs
-M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
+Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
+some sample's loss reaches, so none for padding or the position a causal shift drops): K
+backwards from the output to the layer outputs (no weight gradients), each roughly the input-
+gradient half of a backward; for each convolution, K times the multiply-adds of its forward
+(the per-sample, per-column weight gradients have no cheaper exact form); for Linear layers,
+one product the size of the layer's forward in all. So on 10 classes the exact diagonal costs
+several plain steps on any network whose backward is not negligible; the MC diagonal costs one
+column. The exact diagonal needs M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
 """
 
 from __future__ import annotations
