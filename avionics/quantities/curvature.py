@@ -257,7 +257,10 @@ class _Curvature(Quantity):
         losses = self._losses() if self._losses is not None else None
         self._losses = None
         m = output_entries(roots, n)
-        obstacle = ggn_obstacle(roots, n, losses)
+        bad = not_piecewise_linear(model)
+        # (recognising the loss runs two products through it: only where a GGN may run)
+        asked = self._chosen or self.curvature
+        obstacle = ggn_obstacle(roots, n, losses) if asked != "diag_h" or not bad else None
         dim = sum(p.numel() for p in params)
         if self.curvature == AUTO and self._chosen is None:
             try:
@@ -270,10 +273,10 @@ class _Curvature(Quantity):
                 stacklevel=4,
             )
         variant = self._chosen or self.curvature
-        bad = not_piecewise_linear(model)
         # the exact Hessian diagonal of a piecewise-linear network is the GGN's where that runs
         self._probed = variant == "diag_h" and (bool(bad) or obstacle is not None)
         if self._probed and dim > self.max_probes:
+            obstacle = obstacle or ggn_obstacle(roots, n, losses)
             working = [f"curvature={v!r}" for v in ggn_variants_that_work(m, obstacle)]
             why = (
                 f"because these modules are not piecewise linear in each weight: "
