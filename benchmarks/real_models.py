@@ -1,14 +1,18 @@
-"""The presets on real models (issue 18): an instrumented step divided by a plain one.
+"""The presets on real models (issues 18 and 24): an instrumented step divided by a plain one.
 
 The models of ``tests/real_models.py`` as a new user brings them, in float32: a BasicBlock
 ResNet with train-mode BatchNorm and dropout, the real Hugging Face GPT-2 built from a tiny
-config (position table looked up by ``arange(T)``, tied head) and an ``nn.TransformerEncoder``
-classifier with key padding masks. Each runs ``configuration("economy")``, ``"business"`` and
-``"full"`` (HessTrace and TICDiag with ``curvature="auto"``: the variant it chooses is
-printed), every step tracked. Two copies of the model train side by side with plain
-SGD, steps alternating (plain, instrumented, plain, ...) so that the noise of a shared machine
-hits both alike; the ratio is median(instrumented) / median(plain) over the timed steps after
-a warm-up. Targets (issue 18): economy <= 2x, full <= 6x.
+config (position table looked up by ``arange(T)``, tied head) trained as a causal language
+model on padded sequences (shifted loss, ignore_index), a BERT-style classifier with padding
+masks, an ``nn.TransformerEncoder`` classifier with key padding masks, an LSTM language
+model, a packed GRU and a ViT with a class token and a position table. Each runs
+``configuration("economy")``, ``"business"``, ``"full"`` (HessTrace and TICDiag with
+``curvature="auto"``: the variant it chooses is printed) and ``"transformer"`` (with Adam,
+which its PreconditionedSharpness reads; the others with SGD), every step tracked. Two copies
+of the model train side by side with the same optimiser, steps alternating (plain,
+instrumented, plain, ...) so that the noise of a shared machine hits both alike; the ratio
+is median(instrumented) / median(plain) over the timed steps after a warm-up. Targets (issue
+18): economy <= 2x, full <= 6x.
 
 Also the first tracked step in a fresh process (the ResNet under economy), with numba's cache
 of the histogram kernels empty (they compile) and filled (they load), beside a later step.
@@ -34,30 +38,48 @@ import torch
 from avionics import configuration
 from benchmarks.report import machine, table, write_section
 from benchmarks.tools import Avionics, time_steps
-from tests.real_models import MODELS
+from tests.real_models import ALL_MODELS as MODELS
 
-PRESETS = ["economy", "business", "full"]
+PRESETS = ["economy", "business", "full", "transformer"]
 # business has no target: it shows what full's curvature diagonals cost without HessMaxEV
 TARGET = {"economy": 2.0, "full": 6.0}
 # The builders' arguments for the timed runs and for --quick.
 SIZES = {
     "resnet": {"n": 32},
     "gpt2": {"n": 16, "t": 16},
+    "bert": {"n": 32, "t": 10},
     "encoder": {"n": 32, "t": 10},
+    "lstm_lm": {"n": 32, "t": 12},
+    "packed_gru": {"n": 32, "t": 8},
+    "vit": {"n": 32},
 }
-QUICK_SIZES = {"resnet": {"n": 4}, "gpt2": {"n": 2, "t": 8}, "encoder": {"n": 4, "t": 6}}
+QUICK_SIZES = {
+    "resnet": {"n": 4},
+    "gpt2": {"n": 2, "t": 8},
+    "bert": {"n": 4, "t": 6},
+    "encoder": {"n": 4, "t": 6},
+    "lstm_lm": {"n": 4, "t": 4},
+    "packed_gru": {"n": 4, "t": 4},
+    "vit": {"n": 4},
+}
 TITLES = {
     "resnet": "BasicBlock ResNet",
-    "gpt2": "HF GPT-2 tiny",
+    "gpt2": "HF GPT-2 tiny (causal LM, padded)",
+    "bert": "BERT-style classifier (padding mask)",
     "encoder": "TransformerEncoder",
+    "lstm_lm": "LSTM language model",
+    "packed_gru": "packed GRU",
+    "vit": "ViT (class token, position table)",
 }
+# the optimiser of each preset's runs
+OPTIMIZER = {"transformer": "adam"}
 
 
 class Preset(Avionics):
     """A step watched by a cockpit with ``configuration(preset)``."""
 
     def __init__(self, model, loss_fn, preset: str):
-        super().__init__(model, loss_fn, "sgd", configuration(preset))
+        super().__init__(model, loss_fn, OPTIMIZER.get(preset, "sgd"), configuration(preset))
 
     def variants(self) -> str:
         """The curvature variant of each curvature-diagonal quantity, once chosen (``"-"``
@@ -84,7 +106,7 @@ def time_preset(name: str, sizes: dict, preset: str, steps: int, warmup: int):
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         t_tool, t_plain, _ = time_steps(
-            lambda: built, make_tool, "sgd", steps, warmup, budget_s=math.inf
+            lambda: built, make_tool, OPTIMIZER.get(preset, "sgd"), steps, warmup, math.inf
         )
     tool = tools[0]
     ratio = t_tool / t_plain
@@ -172,10 +194,11 @@ def main(argv=None) -> None:
     header = ["model", "parameters", "batch", "preset", "curvature variant (auto)",
               "step / plain step", "target"]  # fmt: skip
     sections = [
-        "## Real models (issue 18): a preset's step / a plain step",
+        "## Real models (issues 18 and 24): a preset's step / a plain step",
         machine() + f"; {elapsed / 60:.1f} min for this section.",
         f"Every step tracked; median of {steps} timed steps after {warmup} warm-up steps, "
-        "plain and instrumented steps alternating on two copies of the model (SGD, lr 1e-3), "
+        "plain and instrumented steps alternating on two copies of the model (SGD, Adam for "
+        "the transformer preset, lr 1e-3), "
         "float32, synthetic data (tests/real_models.py; batch: images, or sequences x tokens). "
         "'(over)' marks a miss of the target.",
         table(header, rows),

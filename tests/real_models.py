@@ -1,4 +1,5 @@
-"""Models as a new user brings them: a ResNet, a Hugging Face GPT-2, a TransformerEncoder, RNNs.
+"""Models as a new user brings them: a ResNet, Hugging Face GPT-2 and BERT, a
+TransformerEncoder, RNNs (an LSTM language model, a packed GRU), a ViT.
 
 Each builder returns ``(model, X, y, individual_loss_fn)``, where ``model(X)`` is the forward
 and ``individual_loss_fn(model(X), y)`` the per-sample losses, shape [N]. Models are returned
@@ -25,6 +26,33 @@ def _sequence_losses(out, y: Tensor) -> Tensor:
     """Per-sequence mean token loss of a language model's output (logits [N, T, V])."""
     logits = out.logits if hasattr(out, "logits") else out
     return F.cross_entropy(logits.transpose(1, 2), y, reduction="none").mean(1)
+
+
+IGNORE = -100  # the label of a token no loss is taken on (F.cross_entropy's ignore_index)
+
+
+def _causal_lm_losses(out, y: Tensor) -> Tensor:
+    """The causal language-model loss per sequence: logits [N, T, V] at positions 0..T-2
+    predict the labels at 1..T-1 (the shift), IGNORE labels (padding) left out, the mean over
+    each sequence's kept tokens."""
+    logits = out.logits if hasattr(out, "logits") else out
+    logits, labels = logits[:, :-1].contiguous(), y[:, 1:]
+    n, t, v = logits.shape
+    tokens = F.cross_entropy(logits.view(-1, v), labels.reshape(-1), reduction="none")
+    kept = (labels != IGNORE).to(tokens.dtype)
+    return tokens.view(n, t).sum(1) / kept.sum(1)
+
+
+def _token_losses_summed(out: Tensor, y: Tensor) -> Tensor:
+    """Per sequence, the sum of the token cross-entropies, IGNORE labels left out."""
+    return F.cross_entropy(out.transpose(1, 2), y, reduction="none", ignore_index=IGNORE).sum(1)
+
+
+def _lengths(n: int, t: int, shortest: int) -> Tensor:
+    """Sequence lengths in shortest..t: the first fills the batch, the last is padded most."""
+    lengths = torch.randint(shortest, t + 1, (n,))
+    lengths[0], lengths[-1] = t, shortest
+    return lengths
 
 
 def _padded_tokens(n: int, t: int, vocab: int, lengths: Tensor) -> Tensor:
@@ -110,6 +138,56 @@ def tiny_gpt2(
     model = GPT2LMHeadModel(config).to(dtype)
     X, y = torch.randint(0, 64, (n, t)), torch.randint(0, 64, (n, t))
     return model, X, y, _sequence_losses
+
+
+def gpt2_lm(
+    n: int = 4, t: int = 12, seed: int = 0, dtype: torch.dtype = torch.float64, width: int = 32
+):
+    """:func:`tiny_gpt2` trained as a causal language model on right-padded sequences (lengths
+    in 3..t): labels are the tokens, IGNORE at the padding, the loss shifted by one position
+    (``logits[:, :-1]`` against ``labels[:, 1:]``). Right padding needs no attention mask in a
+    causal model (no kept token attends to a later one)."""
+    model, _, _, _ = tiny_gpt2(n, t, seed, dtype, width)
+    tokens = _padded_tokens(n, t, 64, _lengths(n, t, 3))
+    return model, tokens, tokens.masked_fill(tokens == PAD, IGNORE), _causal_lm_losses
+
+
+class BertClassifier(nn.Module):
+    """The real ``transformers.BertForSequenceClassification``, called with the attention mask
+    of the PAD tokens, returning its logits."""
+
+    def __init__(self, config):
+        super().__init__()
+        from transformers import BertForSequenceClassification
+
+        self.bert = BertForSequenceClassification(config)
+
+    def forward(self, tokens):
+        return self.bert(input_ids=tokens, attention_mask=(tokens != PAD).long()).logits
+
+
+def bert_classifier(
+    n: int = 4, t: int = 10, seed: int = 0, dtype: torch.dtype = torch.float64, width: int = 32
+):
+    """A BERT-style classifier from a tiny config (2 layers, ``width``, 2 heads, vocabulary
+    40, 3 classes, eager attention) on token ids padded with PAD to lengths in 3..t."""
+    from transformers import BertConfig
+
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=40,
+        hidden_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * width,
+        max_position_embeddings=16,
+        num_labels=3,
+        pad_token_id=PAD,
+        attn_implementation="eager",
+    )
+    model = BertClassifier(config).to(dtype)
+    X, y = _padded_tokens(n, t, 40, _lengths(n, t, 3)), torch.randint(0, 3, (n,))
+    return model, X, y, _classification_losses
 
 
 # --- TransformerEncoder ----------------------------------------------------------------------
@@ -204,5 +282,80 @@ def recurrent(
     return model, X, torch.randint(0, 3, (n,)), _classification_losses
 
 
+class LSTMLanguageModel(nn.Module):
+    """Embedding, a 2-layer LSTM and a linear head: per-token logits [N, T, V]."""
+
+    def __init__(self, vocab: int = 24, width: int = 8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width, padding_idx=PAD)
+        self.lstm = nn.LSTM(width, width, num_layers=2, batch_first=True)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.lstm(self.embed(tokens))[0])
+
+
+def lstm_lm(
+    n: int = 4, t: int = 6, seed: int = 0, dtype: torch.dtype = torch.float64, vocab: int = 24
+):
+    """``LSTMLanguageModel`` predicting the next token of sequences padded with PAD to lengths
+    in 2..t (inputs tokens[:, :-1], labels tokens[:, 1:], IGNORE at the padding), the loss
+    the sum of each sequence's token cross-entropies."""
+    torch.manual_seed(seed)
+    model = LSTMLanguageModel(vocab).to(dtype)
+    tokens = _padded_tokens(n, t + 1, vocab, _lengths(n, t + 1, 3))
+    labels = tokens[:, 1:].masked_fill(tokens[:, 1:] == PAD, IGNORE)
+    return model, tokens[:, :-1].contiguous(), labels, _token_losses_summed
+
+
+# --- ViT -------------------------------------------------------------------------------------
+class ViT(nn.Module):
+    """A vision transformer (Dosovitskiy et al. 2021): patches by a strided convolution, a class
+    token and a learned position table as parameters of the root module (the token
+    concatenated in front of the patches, the table added to the sequence), pre-norm
+    ``nn.TransformerEncoder`` layers with GELU modules, the class token's state to the head."""
+
+    def __init__(self, image=8, patch=4, width=16, depth=2, classes=10):
+        super().__init__()
+        self.patches = nn.Conv2d(3, width, patch, stride=patch)
+        self.cls_token = nn.Parameter(0.02 * torch.randn(1, 1, width))
+        self.pos_embed = nn.Parameter(0.02 * torch.randn(1, (image // patch) ** 2 + 1, width))
+        layer = nn.TransformerEncoderLayer(
+            width, 2, 2 * width, dropout=0.0, activation=nn.GELU(), batch_first=True,
+            norm_first=True,
+        )  # fmt: skip
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, images):
+        h = self.patches(images).flatten(2).transpose(1, 2)  # [N, P, D]
+        h = torch.cat([self.cls_token.expand(len(h), -1, -1), h], dim=1) + self.pos_embed
+        return self.head(self.norm(self.encoder(h))[:, 0])
+
+
+def vit(n: int = 4, seed: int = 0, dtype: torch.dtype = torch.float64, image: int = 8):
+    """``ViT`` on 3 x image x image inputs, 10 classes."""
+    torch.manual_seed(seed)
+    model = ViT(image=image).to(dtype)
+    X, y = torch.randn(n, 3, image, image, dtype=dtype), torch.randint(0, 10, (n,))
+    return model, X, y, _classification_losses
+
+
+def packed_gru(n: int = 4, t: int = 5, seed: int = 0, dtype: torch.dtype = torch.float64):
+    """:func:`recurrent` with a GRU on a PackedSequence, batch first."""
+    return recurrent("gru", packed=True, n=n, t=t, seed=seed, dtype=dtype)
+
+
 # The three whole models of issue 18 (the recurrent one takes its own arguments).
 MODELS = {"resnet": basic_block_resnet, "gpt2": tiny_gpt2, "encoder": transformer_encoder}
+# Every architecture of issue 24: each builder takes n, seed and dtype.
+ALL_MODELS = {
+    "gpt2": gpt2_lm,
+    "bert": bert_classifier,
+    "encoder": transformer_encoder,
+    "resnet": basic_block_resnet,
+    "lstm_lm": lstm_lm,
+    "packed_gru": packed_gru,
+    "vit": vit,
+}

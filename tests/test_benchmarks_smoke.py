@@ -20,15 +20,17 @@ def test_real_models_quick_prints_every_cell_and_writes_nothing(capsys, monkeypa
     refuse_writing(monkeypatch, real_models)
     real_models.main(["--quick"])
     out = capsys.readouterr().out
+    presets = "|".join(real_models.PRESETS)
     rows = re.findall(
-        r"^\| (.+?) \| [\d,]+ \| \S+ \| (economy|business|full) \| (\S+) \| ([\d.]+)", out, re.M
+        rf"^\| (.+?) \| [\d,]+ \| \S+ \| ({presets}) \| (\S+) \| ([\d.]+)", out, re.M
     )
     cells = {(model, preset) for model, preset, _, _ in rows}
     assert cells == {(t, p) for t in real_models.TITLES.values() for p in real_models.PRESETS}
     for _, preset, variant, ratio in rows:
         assert float(ratio) > 0
-        # economy computes no curvature diagonal; "auto" names the variant it chose
-        expected = {"-"} if preset == "economy" else {"diag_h", "diag_ggn_exact", "diag_ggn_mc"}
+        # economy and transformer compute no curvature diagonal; "auto" names what it chose
+        no_diagonal = preset in ("economy", "transformer")
+        expected = {"-"} if no_diagonal else {"diag_h", "diag_ggn_exact", "diag_ggn_mc"}
         assert variant in expected
 
 

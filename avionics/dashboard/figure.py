@@ -26,6 +26,52 @@ COLUMNS = (
     ("CURVATURE", (max_ev_panel, trace_panel, tic_panel)),
 )
 FIGSIZE = (24, 15)
+# the quantities each primary panel draws (a panel is empty when the run has none of them)
+PANEL_QUANTITIES = {
+    alpha_panel: ("Alpha",),
+    distance_panel: ("Distance",),
+    grad_norm_panel: ("GradNorm",),
+    gradient_tests_panel: ("NormTest", "InnerTest", "OrthoTest"),
+    hist1d_panel: ("GradHist1d",),
+    gradient_hist2d_panel: ("GradHist2d",),
+    max_ev_panel: ("HessMaxEV",),
+    trace_panel: ("HessTrace",),
+    tic_panel: ("TICDiag", "TICTrace"),
+}
+# Instruments of the "transformer" preset that have no primary panel: they take the place of
+# the empty panels, in this order, where the run recorded them.
+SUBSTITUTES = (
+    "UpdateRatio",
+    "ActivationHealth dead",
+    "ActivationHealth rms",
+    "GradientNoiseScale",
+    "PreconditionedSharpness",
+)
+
+
+def _recorded(run, name: str) -> bool:
+    return any(name in values for values in run.steps.values())
+
+
+def substitute_panels(run) -> list:
+    """Panels ``panel(fig, spec, run)`` of the :data:`SUBSTITUTES` the run recorded."""
+    from avionics.dashboard.generic import generic_panel  # (they import this module)
+    from avionics.dashboard.health import fraction_panel, rms_panel, update_ratio_panel
+
+    panels = {
+        "UpdateRatio": update_ratio_panel,
+        "ActivationHealth dead": lambda fig, spec, run: fraction_panel(
+            fig, spec, run, "dead", "Dead units"
+        ),
+        "ActivationHealth rms": rms_panel,
+        "GradientNoiseScale": lambda fig, spec, run: generic_panel(
+            fig, spec, run, "GradientNoiseScale"
+        ),
+        "PreconditionedSharpness": lambda fig, spec, run: generic_panel(
+            fig, spec, run, "PreconditionedSharpness"
+        ),
+    }
+    return [panels[key] for key in SUBSTITUTES if _recorded(run, key.split(" ")[0])]
 
 
 def group_frame(fig: Figure, spec, name: str, color) -> None:
@@ -66,7 +112,11 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
     or a live ``Cockpit``) and save it to ``path`` (.png, .pdf or .svg) if given.
 
     Every instrument is drawn; one without data is an empty, labelled panel that names the
-    quantity it needs. Histograms show the latest step that has one.
+    quantity it needs, unless the run recorded an instrument of the "transformer" preset that
+    has no panel here (:data:`SUBSTITUTES`: UpdateRatio, ActivationHealth's dead fractions and
+    RMS, GradientNoiseScale, PreconditionedSharpness), which takes its place, in order. So a
+    preset's own dashboard shows each of its instruments. Histograms show the latest step that
+    has one.
     """
     run = as_run(source)
     if path is not None and Path(path).suffix.lower() not in FORMATS:
@@ -83,6 +133,7 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
         top=0.93,
         bottom=0.04,
     )
+    substitutes = substitute_panels(run)
     for column, (group, panels) in enumerate(COLUMNS):
         group_frame(fig, outer[0, column], group, GROUP_COLORS[group])
         inner = outer[0, column].subgridspec(
@@ -93,6 +144,9 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
             hspace=0.55,
         )
         for row, panel in enumerate(panels):
+            empty = not any(_recorded(run, name) for name in PANEL_QUANTITIES[panel])
+            if empty and substitutes:
+                panel = substitutes.pop(0)
             panel(fig, inner[row + 1, 1], run)
     hyperparameter_panel(fig, outer[1, 0], run)
     performance_panel(fig, outer[1, 1:], run)

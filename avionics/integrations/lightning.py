@@ -35,7 +35,9 @@ With ``accumulate_grad_batches=k`` the k backwards of one optimiser step are the
 of one cockpit step (``cockpit(step, info, micro_batch=i, micro_batches=k)``, fewer at the end
 of an epoch whose batches do not divide by k, as Lightning steps there).
 
-Under Lightning's DDP strategy (``strategy="ddp"``, any backend) the cockpit is built on the
+The cockpit is built on the network the LightningModule holds where it holds one (see
+:func:`tracked_model`), so that the curvature instruments see its output as in a plain loop.
+Under Lightning's DDP strategy (``strategy="ddp"``, any backend) it is built on the
 strategy's ``DistributedDataParallel`` wrapper and every value is that of the global batch (see
 :class:`~avionics.Cockpit`); give each process its own shard of the data set. ``"ddp"`` is the
 strategy tested (``"ddp_spawn"`` pickles the callback into each process: not tested).
@@ -82,8 +84,8 @@ class CockpitCallback(pl.Callback):
             ``sinks``, ``exist``, ``fsync``).
 
     The cockpit is built when the fit starts (``first_step=trainer.global_step``), on the
-    strategy's model (the ``DistributedDataParallel`` wrapper under Lightning's DDP), and is
-    :attr:`cockpit` from then on; it is closed when the fit ends or fails. Its
+    network (:func:`tracked_model`), and is :attr:`cockpit` from then on; it is closed when
+    the fit ends or fails. Its
     ``state_dict`` travels in Lightning's checkpoints, so that a resumed fit continues it.
     """
 
@@ -126,12 +128,15 @@ class CockpitCallback(pl.Callback):
 
     # ------------------------------------------------------------------ Lightning's hooks
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        model = tracked_model(trainer.strategy.model)
         sinks = list(self.cockpit_options.get("sinks", ()))
         if trainer.loggers:
-            sinks.append(LoggerSink(trainer.loggers, self.prefix))
+            # (the loggers name parameters as the LightningModule does)
+            owner = {m: f"{name}." for name, m in trainer.strategy.model.named_children()}
+            sinks.append(LoggerSink(trainer.loggers, self.prefix, owner.get(model, "")))
         options = {**self.cockpit_options, "sinks": sinks}
         cockpit = Cockpit(
-            trainer.strategy.model,
+            model,
             self.quantities,
             log=self.run_log,
             first_step=trainer.global_step,
@@ -231,6 +236,28 @@ class CockpitCallback(pl.Callback):
         )
 
 
+def tracked_model(model):
+    """The module the cockpit is built on, so that it sees the network's own forward and its
+    output (the structure the curvature instruments read: the GGN diagonals need the model's
+    output tensor, and without it ``curvature="auto"`` has only the exact Hessian diagonal):
+
+    * under DDP, the strategy's ``DistributedDataParallel`` wrapper (every value is then the
+      global batch's);
+    * a LightningModule with no trainable parameter of its own and exactly one child module
+      that holds trainable parameters (``self.model``, ``self.net``): that child, whether
+      ``training_step`` calls ``self(x)`` or ``self.model(x)``; frozen modules beside it (a
+      teacher) and parameter-free ones (a criterion, metrics) do not count;
+    * otherwise the LightningModule itself (its ``forward`` must then be what
+      ``training_step`` calls).
+    """
+    if not isinstance(model, pl.LightningModule):
+        return model
+    if any(p.requires_grad for p in model.parameters(recurse=False)):
+        return model
+    trainable = [c for c in model.children() if any(p.requires_grad for p in c.parameters())]
+    return trainable[0] if len(trainable) == 1 else model
+
+
 def micro_batch(trainer: pl.Trainer) -> dict:
     """The cockpit's ``micro_batch``/``micro_batches`` of the backward Lightning is about to
     run ({} when it is an optimiser step's only one): Lightning steps the optimiser after
@@ -247,11 +274,13 @@ def micro_batch(trainer: pl.Trainer) -> dict:
 
 class LoggerSink:
     """A :class:`~avionics.records.sink.Sink` that writes a cockpit's values to Lightning
-    loggers: scalars (and per-parameter values, under ``Name/<parameter name>``) with
-    ``log_metrics(..., step=step)``, histograms to the ``TensorBoardLogger`` among them."""
+    loggers: scalars (and per-parameter values, under ``Name/<parameter name>``, the name
+    after ``parameter_prefix``) with ``log_metrics(..., step=step)``, histograms to the
+    ``TensorBoardLogger`` among them."""
 
-    def __init__(self, loggers, prefix: str = "avionics/"):
+    def __init__(self, loggers, prefix: str = "avionics/", parameter_prefix: str = ""):
         self.loggers, self.prefix = list(loggers), prefix
+        self.parameter_prefix = parameter_prefix
         self.outputs: dict[str, Output] = {}
         self.parameters: list[str] = []
 
@@ -259,7 +288,9 @@ class LoggerSink:
         self.outputs.update(
             {name: Output.from_description(d) for name, d in metadata.get("outputs", {}).items()}
         )
-        self.parameters = list(metadata.get("parameters", self.parameters))
+        names = metadata.get("parameters")
+        if names is not None:
+            self.parameters = [self.parameter_prefix + name for name in names]
 
     def write(self, step: int, values: dict) -> None:
         metrics = {}

@@ -96,8 +96,14 @@ class CockpitLogCallback(TrainerCallback):
     cockpit's own log and sinks. Values arriving after their record was written (two-step
     values) are added to that record at the next log. Steps without a record of their own
     (``logging_steps`` > 1) are not merged. The records themselves are never dropped or
-    replaced, and no record is added; the Trainer's reporting integrations (``report_to``)
-    see the records as the Trainer logged them.
+    replaced, and no record is added.
+
+    The Trainer's own reporting (``report_to``: TensorBoard, W&B, ...) gets the same values:
+    this callback runs first on every ``on_log`` and adds what it merged to the ``logs`` the
+    reporting callbacks receive next, so they appear under ``cockpit/<name>`` at the update
+    the Trainer stamps the log with (cockpit step t at update t + 1). Two-step values reach
+    the reporting at the next log after they arrive, stamped with that log's update (one
+    update later than in ``log_history``).
     """
 
     def __init__(self):
@@ -123,26 +129,33 @@ class CockpitLogCallback(TrainerCallback):
         """Nothing to release: the values live in the Trainer's state."""
 
     # ------------------------------------------------------------------ the TrainerCallback
-    def on_log(self, args, state, control, **kwargs):
-        self.merge(state.log_history)
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        merged = self.merge(state.log_history)
+        if logs is not None and "loss" in logs:  # a training record: to the reporting too
+            logs.update(merged)
 
     def on_train_end(self, args, state, control, **kwargs):
         self.merge(state.log_history)
 
-    def merge(self, log_history: list[dict]) -> None:
+    def merge(self, log_history: list[dict]) -> dict[str, float]:
         """Add the values received so far to their records in ``log_history``; forget those of
-        steps whose record will never come (a later update has a record, theirs has none)."""
+        steps whose record will never come (a later update has a record, theirs has none).
+        Returns what it added (the latest step's value of each name)."""
         records: dict[int, dict] = {}
         for record in log_history:
             if "loss" in record and "step" in record:
                 records.setdefault(record["step"], record)
         last = max(records, default=-1)
+        merged: dict[str, float] = {}
         for step in sorted(self._received):
             record = records.get(step + 1)
             if record is not None:
-                record.update(self._received.pop(step))
+                values = self._received.pop(step)
+                record.update(values)
+                merged.update(values)
             elif step + 1 < last:
                 del self._received[step]
+        return merged
 
 
 class CockpitMixin:
@@ -182,7 +195,9 @@ class CockpitMixin:
             log=cockpit_log,
             sinks=[self.cockpit_callback, *cockpit_sinks],
         )
-        self.add_callback(self.cockpit_callback)
+        # first among the callbacks: it adds the cockpit's values to the logs that the
+        # reporting callbacks (report_to) receive after it
+        self.callback_handler.callbacks.insert(0, self.cockpit_callback)
         self._step_sequences: int | None = None  # S: the sequences of this optimiser step
         self._micro_batch = 0
 

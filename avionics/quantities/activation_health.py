@@ -1,9 +1,19 @@
 """ActivationHealth: dead and saturated units, mean and RMS of each activation module's output.
 
-Which modules: the activation modules of the model (:data:`ACTIVATIONS`: ``nn.ReLU``,
-``nn.GELU``, ``nn.Tanh``, ``nn.Sigmoid``, ``nn.Hardtanh``, ...), named as in
-``model.named_modules()``. Activations applied as functions (``F.relu`` inside a forward) are
-not modules and are not seen: use the module (``nn.ReLU()``) to watch them.
+Which modules (:func:`is_activation`): the activation modules of the tracked model, named as
+in ``model.named_modules()``: those of :data:`ACTIVATIONS` (``nn.ReLU``, ``nn.GELU``,
+``nn.Tanh``, ``nn.Sigmoid``, ``nn.Hardtanh``, ...) and their subclasses, and every module
+class defined in a module of :data:`ACTIVATION_MODULES` (Hugging Face's
+``transformers.activations``: ``NewGELUActivation``, ``GELUActivation``,
+``FastGELUActivation``, ``QuickGELUActivation``, ``GELUTanh``, ``SiLUActivation``, ...),
+except the identity ``LinearActivation``. Modules of any other model that runs a forward
+while the step is captured (an EMA copy, a teacher, a validation copy) are left out.
+
+Activations applied as functions (``F.relu`` inside a forward) are not modules and are not
+seen: use the module (``nn.ReLU()``) to watch them. ``nn.TransformerEncoderLayer`` and
+``nn.TransformerDecoderLayer`` apply theirs as a function unless given a module: pass
+``activation=nn.GELU()`` (or ``nn.ReLU()``) to watch it; the layers that apply a function are
+named in a warning, once.
 
 For one module's output y over the step's batch (all its calls in the backpropagated
 forward; a unit is one position of the output without its batch axis: a feature of a dense
@@ -54,6 +64,32 @@ ACTIVATIONS = (
     nn.Hardtanh,  # and its subclass ReLU6
     nn.Hardsigmoid,
 )
+# Modules whose every nn.Module class is an activation (except NOT_ACTIVATIONS).
+ACTIVATION_MODULES = ("transformers.activations",)
+NOT_ACTIVATIONS = ("LinearActivation",)
+# Layers that apply their ``activation`` attribute as a function unless it is a module.
+FUNCTIONAL_ACTIVATION_LAYERS = (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
+
+
+def is_activation(module: nn.Module) -> bool:
+    """Whether ActivationHealth watches ``module`` (the module docstring's rule)."""
+    if isinstance(module, ACTIVATIONS):
+        return True
+    kind = type(module)
+    return kind.__module__ in ACTIVATION_MODULES and kind.__name__ not in NOT_ACTIVATIONS
+
+
+def functional_activations(model: nn.Module) -> list[str]:
+    """The names of ``model``'s layers that apply their activation as a function (not
+    seen)."""
+    return [
+        name or "the model"
+        for name, m in model.named_modules()
+        if isinstance(m, FUNCTIONAL_ACTIVATION_LAYERS)
+        and not isinstance(getattr(m, "activation", None), nn.Module)
+    ]
+
+
 # |y| beyond this is saturated for Tanh and Softsign; y within SIGMOID_MARGIN of 0 or 1 for
 # Sigmoid.
 TANH_LIMIT = 0.99
@@ -102,7 +138,7 @@ def output_summary(module: nn.Module, output, batch_axis: int) -> dict[str, Tens
     Each is one reduction of the output as it is (no float64 copy of it): the nonzero count
     along the batch axis, the sum, the norm, and the count of the saturation mask.
     """
-    if not isinstance(module, ACTIVATIONS) or not isinstance(output, Tensor):
+    if not isinstance(output, Tensor) or not is_activation(module):
         return None
     alive = torch.count_nonzero(output, dim=batch_axis).flatten().double()
     saturated = saturation_of(module)
@@ -144,7 +180,7 @@ class ActivationHealth(Quantity):
 
     def __init__(self, schedule=None):
         super().__init__(schedule)
-        self._warned = False  # about a forward without activation modules, once
+        self._warned = False  # about activations it cannot see, once
 
     def request(self, step: int) -> Request:
         return Request(module_outputs=(output_summary,))
@@ -155,26 +191,47 @@ class ActivationHealth(Quantity):
         moments: dict[str, Tensor] = {}
         for call in data.captured.calls.get(data.model, []):
             for visit, module, summary in call.summaries:
-                if visit is not output_summary:
+                # (the capture summarises every module's forward until the model's own call
+                # returns: another model's modules are not the tracked model's)
+                name = names.get(module)
+                if visit is not output_summary or name is None:
                     continue
-                name = names[module]
                 alive.setdefault(name, []).append(summary["alive"])
                 moments[name] = moments.get(name, 0) + summary["moments"]
         sums = {f"alive {name}": torch.cat(counts) for name, counts in alive.items()}
         sums.update({f"moments {name}": m for name, m in moments.items()})
         return sums
 
-    def compute(self, data: StepData):
-        totals = data.totals[self.name]
-        if not totals and not self._warned:
+    def _warn_once(self, data: StepData, seen: bool) -> None:
+        """Once: the layers whose activation is a function (not seen); else, once, a forward
+        without any activation module."""
+        if self._warned:
+            return
+        functional = functional_activations(data.model)
+        if functional:
+            self._warned = True
+            more = f" and {len(functional) - 4} more" if len(functional) > 4 else ""
+            warnings.warn(
+                f"Step {data.step}: ActivationHealth does not see the activations of "
+                f"{', '.join(map(repr, functional[:4]))}{more}: nn.TransformerEncoderLayer and "
+                "nn.TransformerDecoderLayer apply theirs as a function. Build them with "
+                "activation=nn.GELU() (or nn.ReLU()), a module, to watch it (said once).",
+                stacklevel=3,
+            )
+        elif not seen:
             self._warned = True
             warnings.warn(
                 f"Step {data.step}: ActivationHealth saw no activation module in the forward "
                 "(it watches the modules of avionics.quantities.activation_health.ACTIVATIONS, "
-                "nn.ReLU, nn.GELU, nn.Tanh, ...). An activation applied as a function "
-                "(F.relu(x)) is not a module: use the module (nn.ReLU()) to watch it.",
-                stacklevel=2,
+                "nn.ReLU, nn.GELU, nn.Tanh, ..., and those of transformers.activations). An "
+                "activation applied as a function (F.relu(x)) is not a module: use the module "
+                "(nn.ReLU()) to watch it.",
+                stacklevel=3,
             )
+
+    def compute(self, data: StepData):
+        totals = data.totals[self.name]
+        self._warn_once(data, bool(totals))
         modules = dict(data.model.named_modules())
         value = {}
         for key, alive in totals.items():

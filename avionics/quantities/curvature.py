@@ -33,6 +33,7 @@ None of them touches the global random number generator.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +45,7 @@ from avionics.curvature.step.hessian_diagonal import (
     hessian_diagonal_by_probes,
     not_piecewise_linear,
 )
-from avionics.curvature.step.loss_root import MAX_OUTPUT_SIZE
+from avionics.curvature.step.loss_root import MAX_OUTPUT_SIZE, recognised_loss
 from avionics.persample import Request
 from avionics.quantities.arguments import checked_int, checked_seed
 from avionics.quantities.base import (
@@ -71,11 +72,13 @@ def _graph_grads(data: StepData) -> list[Tensor]:
 
 
 AUTO = "auto"
-# "auto" takes the exact Hessian diagonal while its Hessian-vector products (one per
-# parameter element, batched) stay this few,
+# The budget of "auto", per step: the exact Hessian diagonal while its Hessian-vector products
+# (one per parameter element, batched) stay this few,
 AUTO_MAX_PROBES = 2048
-# and else the exact GGN diagonal while a sample's output has this few entries (one backward
-# pass of the network each); the Monte-Carlo GGN diagonal otherwise (mc_samples passes).
+# else the exact GGN diagonal while a sample's output has this few entries (one backward pass
+# of the network each); else the Monte-Carlo GGN diagonal (mc_samples backward passes). Where
+# none of them fits (the GGN diagonals cannot run and the Hessian diagonal needs more products)
+# "auto" refuses the step on entering it.
 AUTO_MAX_COLUMNS = 64
 
 
@@ -98,28 +101,57 @@ def step_output_entries(data: StepData) -> int | None:
     return output_entries(roots, len(data.individual_losses))
 
 
-def ggn_variants_that_work(m: int | None) -> list[str]:
-    """The GGN diagonal variants a model whose samples have M output entries allows."""
+def ggn_obstacle(roots: list, n: int | None, losses: Tensor | None) -> str | None:
+    """Why the GGN diagonals cannot run on this step's forward, or None when they can: they
+    need one output tensor of the model with the batch first, and a loss Hessian w.r.t. it
+    that is recognised (:func:`~avionics.curvature.step.loss_root.recognised_loss`, checked
+    here only where the dense one is out of reach: more than MAX_OUTPUT_SIZE entries)."""
+    m = output_entries(roots, n)
     if m is None:
+        return "the model's forward gives not one output tensor with the batch first"
+    if m > MAX_OUTPUT_SIZE and (losses is None or recognised_loss(losses, roots[0]) is None):
+        return (
+            "the loss is not recognised as softmax cross-entropy or squared error (per "
+            f"sample or per token), and its dense Hessian w.r.t. a sample's {m} output "
+            f"entries is beyond the limit of {MAX_OUTPUT_SIZE}"
+        )
+    return None
+
+
+def ggn_variants_that_work(m: int | None, obstacle: str | None = None) -> list[str]:
+    """The GGN diagonal variants a model whose samples have M output entries allows."""
+    if m is None or obstacle is not None:
         return []
     return ["diag_ggn_exact", "diag_ggn_mc"] if m <= MAX_OUTPUT_SIZE else ["diag_ggn_mc"]
 
 
-def choose_variant(model: nn.Module, params: list[Tensor], m: int | None) -> tuple[str, str]:
-    """(variant, why) for curvature="auto", by the cost of a step: the exact Hessian diagonal
-    costs one Hessian-vector product per parameter element unless the network is piecewise
-    linear (then it is the exact GGN diagonal's M backward passes, M the entries of a sample's
-    output); the Monte-Carlo GGN diagonal costs mc_samples passes whatever M."""
+def choose_variant(
+    model: nn.Module, params: list[Tensor], m: int | None, obstacle: str | None = None
+) -> tuple[str, str]:
+    """(variant, why) for curvature="auto", by the cost of a step, within the budget of
+    :data:`AUTO_MAX_PROBES` Hessian-vector products or :data:`AUTO_MAX_COLUMNS` backward
+    passes: the exact Hessian diagonal costs one Hessian-vector product per parameter element
+    unless the network is piecewise linear (then it is the exact GGN diagonal's M backward
+    passes, M the entries of a sample's output); the Monte-Carlo GGN diagonal costs
+    mc_samples passes whatever M. ``obstacle``: why the GGN diagonals cannot run
+    (:func:`ggn_obstacle`), None when they can. A ValueError where nothing fits the budget,
+    naming what works and its cost."""
     dim = sum(p.numel() for p in params)
     bad = not_piecewise_linear(model)
+    if obstacle is not None:
+        m = None
+    columns = min(AUTO_MAX_COLUMNS, MAX_OUTPUT_SIZE)  # (the exact GGN diagonal's reach)
     if not bad:
-        if m is not None and m <= AUTO_MAX_COLUMNS:
+        if m is not None and m <= columns:
             return "diag_h", (
                 f"the network is piecewise linear in each weight, so the exact Hessian "
                 f"diagonal is the GGN's, {m} backward passes per step"
             )
-        if m is None:
-            return "diag_h", "the network is piecewise linear and its output is not one tensor"
+        if m is None and dim <= AUTO_MAX_PROBES:
+            return "diag_h", (
+                f"the GGN diagonals cannot run ({obstacle}); the exact Hessian diagonal takes "
+                f"{dim} Hessian-vector products"
+            )
     elif dim <= AUTO_MAX_PROBES:
         return "diag_h", f"the exact Hessian diagonal takes {dim} Hessian-vector products"
     exact_hessian = (
@@ -128,10 +160,18 @@ def choose_variant(model: nn.Module, params: list[Tensor], m: int | None) -> tup
         if bad
         else "the exact Hessian diagonal is the GGN's here"
     )
-    if m is not None and m <= AUTO_MAX_COLUMNS:
-        return "diag_ggn_exact", f"{exact_hessian}; the exact GGN diagonal takes {m}"
     if m is None:
-        return "diag_h", f"{exact_hessian}, but the GGN diagonals need one output tensor"
+        raise ValueError(
+            f"curvature='auto' finds no curvature diagonal within its budget "
+            f"({AUTO_MAX_PROBES} Hessian-vector products or {AUTO_MAX_COLUMNS} backward passes "
+            f"per step): the GGN diagonals cannot run ({obstacle}), and the exact Hessian "
+            f"diagonal of this network takes {dim} Hessian-vector products per step. What "
+            f"works for this model: curvature='diag_h'"
+            + (f" with max_probes={dim}" if dim > MAX_PROBES else "")
+            + f" (its {dim} products per step)."
+        )
+    if m <= columns:
+        return "diag_ggn_exact", f"{exact_hessian}; the exact GGN diagonal takes {m}"
     return "diag_ggn_mc", (
         f"{exact_hessian}; the exact GGN diagonal would take {m} backward passes (one per "
         "entry of a sample's output), the Monte-Carlo one takes mc_samples"
@@ -177,6 +217,8 @@ class _Curvature(Quantity):
             )
         self.curvature = curvature
         self._chosen: str | None = None  # what "auto" chose, at the first step
+        self._losses = None  # info["individual_losses"] from validate to validate_forward
+        self._probed: bool | None = None  # this step's diag_h by probes (not the GGN's)
         self.mc_samples = checked_int(
             self.name, "mc_samples", mc_samples, 1, "draws per step of the MC GGN diagonal"
         )
@@ -201,31 +243,62 @@ class _Curvature(Quantity):
     # Whether the quantity reads the diagonal itself, not only its sums per parameter
     needs_diagonal = False
 
+    def validate(self, step: int, info: dict) -> None:
+        # the per-sample losses, for recognising the loss in validate_forward (a weak
+        # reference: nothing of the step is kept if the cockpit stops before it)
+        losses = info.get("individual_losses")
+        self._losses = weakref.ref(losses) if isinstance(losses, Tensor) else None
+
     def validate_forward(self, step: int, model: nn.Module, params: list, roots: list, n: int):
         """On entering the step, before its backward: choose the "auto" variant (said once),
         and refuse a variant whose cost is beyond its budget or that cannot run on this
-        model, with the cost and only the variants that work for it."""
+        model (a GGN diagonal: no single output tensor, or an unrecognised loss whose dense
+        Hessian is too large), with the cost and only the variants that work for it."""
+        losses = self._losses() if self._losses is not None else None
+        self._losses = None
         m = output_entries(roots, n)
+        bad = not_piecewise_linear(model)
+        # (recognising the loss runs two products through it: only where a GGN may run)
+        asked = self._chosen or self.curvature
+        obstacle = ggn_obstacle(roots, n, losses) if asked != "diag_h" or not bad else None
+        dim = sum(p.numel() for p in params)
         if self.curvature == AUTO and self._chosen is None:
-            self._chosen, why = choose_variant(model, params, m)
+            try:
+                self._chosen, why = choose_variant(model, params, m, obstacle)
+            except ValueError as error:
+                raise ValueError(f"Step {step}: {self.name}: {error}") from None
             warnings.warn(
                 f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
                 "Pass curvature= to choose (said once).",
                 stacklevel=4,
             )
         variant = self._chosen or self.curvature
-        dim = sum(p.numel() for p in params)
-        bad = not_piecewise_linear(model)
-        if variant == "diag_h" and bad and dim > self.max_probes:
-            working = [f"curvature={v!r}" for v in ggn_variants_that_work(m)]
+        # the exact Hessian diagonal of a piecewise-linear network is the GGN's where that runs
+        self._probed = variant == "diag_h" and (bool(bad) or obstacle is not None)
+        if self._probed and dim > self.max_probes:
+            obstacle = obstacle or ggn_obstacle(roots, n, losses)
+            working = [f"curvature={v!r}" for v in ggn_variants_that_work(m, obstacle)]
+            why = (
+                f"because these modules are not piecewise linear in each weight: "
+                f"{', '.join(bad[:8])}"
+                if bad
+                else f"because the GGN diagonal cannot run: {obstacle}"
+            )
             raise ValueError(
                 f"Step {step}: {self.name}(curvature='diag_h'): the exact Hessian diagonal of "
                 f"this network needs {dim} Hessian-vector products per step (more than "
-                f"max_probes={self.max_probes}), because these modules are not piecewise "
-                f"linear in each weight: {', '.join(bad[:8])}. What works for this model: "
+                f"max_probes={self.max_probes}), {why}. What works for this model: "
                 f"{', or '.join([*working, f'max_probes={dim} to accept the cost'])}."
             )
-        if variant == "diag_ggn_exact" or (variant == "diag_h" and not bad):
+        if variant in ("diag_ggn_exact", "diag_ggn_mc") and obstacle is not None:
+            raise ValueError(
+                f"Step {step}: {self.name}(curvature={variant!r}): the GGN diagonal cannot run "
+                f"on this step: {obstacle}. What works for this model: curvature='diag_h' "
+                f"({dim} Hessian-vector products per step"
+                + (f", with max_probes={dim}" if dim > self.max_probes else "")
+                + ")."
+            )
+        if variant == "diag_ggn_exact" or (variant == "diag_h" and not self._probed):
             if m is not None and m > MAX_OUTPUT_SIZE:
                 raise ValueError(
                     f"Step {step}: {self.name}(curvature={variant!r}): the exact GGN diagonal "
@@ -289,7 +362,11 @@ class _Curvature(Quantity):
         losses = data.info["individual_losses"]
         variant = self.variant(data)
         if variant == "diag_h":
-            if not_piecewise_linear(model):  # (its cost was checked on entering the step)
+            # (its cost was checked on entering the step, where the GGN's shortcut was decided)
+            probed = self._probed
+            if probed is None:
+                probed = bool(not_piecewise_linear(model)) or step_output_entries(data) is None
+            if probed:
                 h = self._probed_diagonal(data)
                 return [d.sum() for d in h] if traces else h
             variant = "diag_ggn_exact"  # equal for piecewise-linear networks

@@ -426,3 +426,38 @@ def test_a_fit_resumed_from_a_checkpoint_continues_the_cockpit(tmp_path):
     assert sorted(output) == [1, 2, 3]
     assert_close({s: output[s] for s in (2, 3)}, {s: expected[s] for s in (2, 3)}, rel=1e-10)
     assert_close(output[1], {k: expected[1][k] for k in ("Alpha", "UpdateSize")}, rel=1e-10)
+
+
+class HoldsANetwork(Classifier):
+    """A LightningModule that calls its network directly (``self.net(x)``, not ``self(x)``)
+    and holds a frozen teacher beside it."""
+
+    def __init__(self, net):
+        super().__init__(net)
+        self.teacher = copy.deepcopy(net).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.teacher(x)  # another model's forward inside the step
+        losses = F.cross_entropy(self.net(x), y, reduction="none")
+        return {"loss": losses.mean(), "individual_losses": losses}
+
+
+def test_full_sees_the_network_s_output_as_the_plain_loop_does(tmp_path):
+    """configuration("full") under the callback on a LightningModule that holds its network:
+    curvature="auto" sees the output (a GGN diagonal, not the exact Hessian diagonal of every
+    weight) and the values are the plain loop's on the same network."""
+    import warnings
+
+    data = make_data()
+    torch.manual_seed(3)
+    wide = nn.Sequential(nn.Linear(D_IN, 600), nn.Tanh(), nn.Linear(600, D_OUT)).double()
+    expected = plain_loop(copy.deepcopy(wide), configuration("full"), data)
+    callback = CockpitCallback(configuration("full"))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        fit(HoldsANetwork(wide), callback, tmp_path, data)
+    chosen = [str(w.message) for w in said if "(curvature='auto') computes" in str(w.message)]
+    assert chosen and all("computes 'diag_ggn_exact'" in m for m in chosen), chosen
+    output = without_time(to_python(dict(callback.cockpit.get_output())))
+    assert_close(output, without_time(to_python(expected)), rel=1e-6)

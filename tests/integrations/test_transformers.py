@@ -74,7 +74,7 @@ def trainer_for(tmp_path, model, quantities, steps=3, batch=4, accumulation=1, *
         per_device_train_batch_size=batch,
         gradient_accumulation_steps=accumulation,
         logging_steps=1,
-        report_to="none",
+        report_to=args.pop("report_to", "none"),
         use_cpu=True,
         save_strategy="no",
         lr_scheduler_type="constant",
@@ -288,3 +288,62 @@ def test_an_overridden_compute_loss_is_refused_when_built(tmp_path):
         TypeError, match=r"OwnLoss overrides compute_loss; .*CockpitMixin\.cockpit_info"
     ):
         OwnLoss(model=tiny_gpt2(), args=arguments, train_dataset=Sequences(4))
+
+
+def test_the_trainer_s_tensorboard_reporting_gets_the_cockpit_s_values(tmp_path, monkeypatch):
+    """report_to=["tensorboard"]: the Trainer's own event file has cockpit/<name> at the
+    update each value belongs to, as in log_history."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    model = tiny_gpt2()
+    trainer = trainer_for(
+        tmp_path, model, configuration("economy"), steps=3, report_to=["tensorboard"]
+    )
+    trainer.train()
+    output = trainer.cockpit.get_output()
+    trainer.cockpit.close()
+    (run,) = {p.parent for p in (tmp_path / "tb").rglob("events.out.tfevents.*")}
+    events = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = events.Tags()["scalars"]
+
+    def scalars(name):
+        return {e.step: e.value for e in events.Scalars(name)}
+
+    assert {"train/cockpit/Loss", "train/cockpit/GradNorm", "train/cockpit/NormTest"} <= set(
+        tags
+    ), tags
+    for name in ("Loss", "NormTest"):
+        expected = {t + 1: output[t][name] for t in range(3)}
+        assert scalars(f"train/cockpit/{name}") == pytest.approx(expected, rel=1e-6)
+    # a two-step value reaches the reporting at the next log: Alpha of step 0 at update 2
+    assert scalars("train/cockpit/Alpha") == pytest.approx(
+        {t + 2: output[t]["Alpha"] for t in range(2)}, rel=1e-6
+    )
+
+
+def test_full_runs_on_a_causal_language_model(tmp_path, monkeypatch):
+    """configuration("full") as the module docstring shows it: the shifted, padded token
+    cross entropy is recognised on entering each step (the softmax Hessian per token), so
+    curvature="auto" takes the Monte-Carlo GGN diagonal (never the dense loss Hessian) and
+    the steps finish with positive, finite traces."""
+    import warnings
+
+    from avionics.curvature.step import loss_root
+
+    def dense(*args):
+        raise AssertionError("the dense loss-Hessian root was used")
+
+    monkeypatch.setattr(loss_root, "_dense_root", dense)
+    model = tiny_gpt2()
+    trainer = trainer_for(tmp_path, model, configuration("full"), steps=2)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        trainer.train()
+    chosen = [str(w.message) for w in said if "(curvature='auto') computes" in str(w.message)]
+    assert chosen and all("computes 'diag_ggn_mc'" in m for m in chosen), chosen
+    output = trainer.cockpit.get_output()
+    trainer.cockpit.close()
+    assert all(math.isfinite(sum(output[t]["HessTrace"])) for t in (0, 1))
+    assert all(sum(output[t]["HessTrace"]) > 0 for t in (0, 1))

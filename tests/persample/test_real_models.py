@@ -8,6 +8,7 @@ whole-model re-run and no per-sample loop); every preset runs a step in float32 
 values; the curvature diagonals equal the dense Hessian on small versions.
 """
 
+import copy
 import math
 import warnings
 from contextlib import contextmanager
@@ -193,12 +194,147 @@ def test_hessian_trace_and_tic_diagonal_equal_the_dense_hessian(build):
     assert output["TICDiag"] == pytest.approx(float((m2 / (h + 1e-7)).sum()), rel=1e-6)
 
 
-def test_a_parameter_the_root_multiplies_by_says_it_reruns_the_whole_model():
-    """models.custom's temperature multiplies the output in the root's forward (no addition
-    broadcasts it): the root's generic rule re-runs the model under vmap, and says so once."""
+def test_a_parameter_the_root_multiplies_by_takes_a_closed_form(rules):
+    """models.custom's temperature multiplies the output in the root's forward: sample n's
+    gradient is (dh_n * h_n) summed to its shape, with no re-run and no warning."""
     model, X, y, loss_fn = models.custom(n=3)
-    with pytest.warns(UserWarning, match=r"temperature \(used directly in the model's forward\)"):
-        engine = assert_exact(model, X, y, loss_fn)
+    with quiet():
+        assert_exact(model, X, y, loss_fn)
+    assert rules["the model"] is SharedParameterRule
+
+
+def test_a_parameter_without_a_closed_form_says_it_reruns_the_whole_model():
+    """A root parameter that enters through a matrix product (torch.diag(p)) has none: the
+    root's generic rule re-runs the model under vmap, and says so once."""
+
+    class Diagonal(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 3)
+            self.gain = torch.nn.Parameter(torch.rand(3) + 0.5)
+
+        def forward(self, x):
+            return self.body(x) @ torch.diag(self.gain)
+
+    torch.manual_seed(0)
+    model = Diagonal().double()
+    X, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 3, (3,))
+    with pytest.warns(UserWarning, match=r"gain \(used directly in the model's forward\)"):
+        engine = assert_exact(model, X, y, real_models._classification_losses)
     with warnings.catch_warnings():  # once per engine
         warnings.simplefilter("error")
-        engine.warn_slow_path(model, ["temperature"], None, 0.1, 3)
+        engine.warn_slow_path(model, ["gain"], None, 0.1, 3)
+
+
+@pytest.mark.parametrize("mode", ["eval", "train"])
+def test_a_vit_s_class_token_and_position_table_take_closed_forms(mode, rules):
+    """The class token (expanded along the batch, concatenated with the patches) and the
+    position table (added) of the root: exact per-sample gradients against the loop over
+    samples in float64, no generic rule, no warning."""
+    model, X, y, loss_fn = real_models.vit(n=3)
+    getattr(model, mode)()
+    with quiet():
+        assert_exact(model, X, y, loss_fn)
+    assert rules["the model"] is SharedParameterRule
+    assert GenericRule not in rules.values(), rules
+
+
+def test_a_parameter_no_forward_uses_has_zero_per_sample_gradients(rules):
+    """A root parameter and a whole submodule that the forward never calls: zero per-sample
+    gradients, no re-run, no "used directly" warning; the others' exact."""
+    from avionics.persample import Request
+
+    model, X, y, loss_fn = real_models.vit(n=3)
+    model.unused = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+    model.spare = torch.nn.Linear(4, 2).double()
+    model.eval()
+    params = list(model.parameters())
+    engine = PerSampleEngine(model, params)
+    capture = engine.capture()
+    with quiet():
+        capture.arm()
+        losses = loss_fn(model(X), y)
+        capture.disarm()
+        capture.record_gradients()
+        received = [None] * len(params)
+        handles = [
+            p.register_hook(lambda g, k=k: received.__setitem__(k, g))
+            for k, p in enumerate(params)
+        ]
+        losses.mean().backward()
+        for handle in handles:
+            handle.remove()
+        capture.stop_recording()
+        step = engine.step(capture.calls_by_module(), 3, 3, received)
+        stats = step.statistics(Request(sq_norms=True), {})
+    assert GenericRule not in rules.values(), rules
+    reference = models.per_sample_gradients(model, X, y, loss_fn)
+    for k, ref in enumerate(reference):
+        expected = ref.reshape(3, -1).pow(2).sum(1)
+        torch.testing.assert_close(stats.sq_norms[k], expected, rtol=1e-10, atol=1e-12)
+    names = [name for name, _ in model.named_parameters()]
+    for name in ("unused", "spare.weight", "spare.bias"):
+        assert float(stats.sq_norms[names.index(name)].abs().max()) == 0.0
+
+
+# The architectures of issue 24, tiny: every preset on each, in the plain loop.
+TINY = {
+    "gpt2": lambda **kw: real_models.gpt2_lm(n=3, t=6, width=16, **kw),
+    "bert": lambda **kw: real_models.bert_classifier(n=3, t=6, width=16, **kw),
+    "encoder": lambda **kw: real_models.transformer_encoder(n=3, t=6, width=16, **kw),
+    "resnet": lambda **kw: real_models.basic_block_resnet(n=4, image=8, **kw),
+    "lstm_lm": lambda **kw: real_models.lstm_lm(n=3, t=4, vocab=8, **kw),
+    "packed_gru": lambda **kw: real_models.packed_gru(n=3, t=4, **kw),
+    "vit": lambda **kw: real_models.vit(n=3, **kw),
+}
+PRESETS = ("economy", "business", "full", "transformer")
+
+
+def two_tracked_steps(model, X, y, loss_fn, preset: str) -> dict:
+    """The README's loop for two tracked steps, with a plain forward (gradients on) of another
+    copy of the model before each step's forward (an EMA copy, a teacher): the output."""
+    other = copy.deepcopy(model)
+    make = torch.optim.AdamW if preset == "transformer" else torch.optim.SGD
+    optimizer = make(model.parameters(), lr=1e-3)
+    cockpit = Cockpit(model, quantities=configuration(preset))
+    for step in range(2):
+        other(X)
+        losses = loss_fn(model(X), y)
+        loss = losses.mean()
+        info = {
+            "loss": loss,
+            "individual_losses": losses,
+            "batch_size": len(losses),
+            "optimizer": optimizer,
+        }
+        with cockpit(step, info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    cockpit.close()
+    return cockpit.get_output()
+
+
+@pytest.mark.slow  # (28 runs of two steps: minutes on two cores)
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_every_preset_runs_two_steps_with_another_model_s_forward_between(name, preset):
+    """Every preset finishes two tracked steps on every architecture in float32, each of its
+    quantities with finite values at step 0 (Alpha and the two-step ones need step 1's
+    start), and no refusal: curvature="auto" picks what runs."""
+    model, X, y, loss_fn = TINY[name](dtype=torch.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        output = two_tracked_steps(model, X, y, loss_fn, preset)
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "one sample at a time" in m], messages
+    tracked_at_0 = {type(q).__name__ for q in configuration(preset) if q.is_active(0)}
+    assert tracked_at_0 - {"Alpha", "UpdateSize", "UpdateRatio"} <= set(output[0]), output[0]
+    for name_ in tracked_at_0 & set(output[0]):
+        value = output[0][name_]
+        if name_ == "UpdateRatio":  # nan (no ratio) for a zero bias at step 0, never inf
+            assert math.isfinite(value["global"]), value
+            assert not any(math.isinf(r) for r in value["per_parameter"]), value
+        else:
+            assert _finite(value), (name_, value)
+    assert {"Loss", "GradNorm"} <= set(output[1])

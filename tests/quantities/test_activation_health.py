@@ -4,6 +4,7 @@ made dead on purpose; only the backpropagated forward counts; the capture keeps 
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import pytest
@@ -15,7 +16,7 @@ from avionics import Cockpit
 from avionics.dashboard.health import activation_layers, plot_health
 from avionics.persample import Capture, Request
 from avionics.quantities import ActivationHealth, UpdateRatio
-from avionics.quantities.activation_health import ACTIVATIONS, output_summary
+from avionics.quantities.activation_health import ACTIVATIONS, is_activation, output_summary
 from avionics.records import Run
 from avionics.records.reader import as_run
 
@@ -87,19 +88,26 @@ def brute_force(model, outputs):
     return expected
 
 
-def hooked_step(model, X, optimizer, cockpit, step):
-    """One training step under ``cockpit``; the activations as the test's own hooks saw them."""
+def hooked_step(model, X, optimizer, cockpit, step, other=None):
+    """One training step under ``cockpit``; the activations as the test's own hooks saw them.
+    ``other``: a model (an EMA copy) whose forward, with gradients on, runs before the step's
+    forward and between it and the step, as a training loop's EMA or teacher would."""
     outputs = []
 
     def keep(module, args, output):
         outputs.append((module, output.detach().clone()))
 
-    handles = [m.register_forward_hook(keep) for m in model if isinstance(m, ACTIVATIONS)]
+    if other is not None:
+        other(X)
+    activations = [m for m in model.modules() if is_activation(m)]
+    handles = [m.register_forward_hook(keep) for m in activations]
     y = torch.arange(len(X)) % 3
     optimizer.zero_grad()
     losses = F.cross_entropy(model(X), y, reduction="none")
     for handle in handles:
         handle.remove()
+    if other is not None:
+        other(X)
     with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
         losses.mean().backward()
     optimizer.step()
@@ -154,6 +162,92 @@ def test_only_the_forward_the_loss_came_from_counts():
         model(torch.zeros(3, 6, dtype=torch.float64))
     outputs = hooked_step(model, X, torch.optim.SGD(model.parameters(), lr=0.05), cockpit, 0)
     assert_matches(cockpit.get_output()[0]["ActivationHealth"], brute_force(model, outputs))
+    cockpit.close()
+
+
+def test_another_model_s_forward_between_the_steps_is_not_counted():
+    """An EMA copy (the same module types, other objects) runs a forward with gradients on
+    before and inside each tracked step's window: only the tracked model's modules count."""
+    model, X = mlp()
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        ema[0].bias.fill_(-1000.0)  # its units would all be dead
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model, [ActivationHealth()])
+    for step in range(2):
+        outputs = hooked_step(model, X, optimizer, cockpit, step, other=ema)
+        assert_matches(cockpit.get_output()[step]["ActivationHealth"], brute_force(model, outputs))
+    cockpit.close()
+
+
+def hf_activations():
+    """Linear layers between Hugging Face's activation modules (transformers.activations)."""
+    from transformers import activations
+
+    torch.manual_seed(0)
+    kinds = [
+        activations.NewGELUActivation(),
+        activations.GELUActivation(),
+        activations.FastGELUActivation(),
+        activations.QuickGELUActivation(),
+        activations.ReLUSquaredActivation(),
+    ]
+    layers: list[nn.Module] = [nn.Linear(6, 5)]
+    for kind in kinds:
+        layers += [kind, nn.Linear(5, 5)]
+    layers.append(nn.Linear(5, 3))
+    return nn.Sequential(*layers).double(), 3 * torch.randn(8, 6, dtype=torch.float64)
+
+
+def test_hugging_face_activation_modules_are_watched():
+    from transformers.activations import LinearActivation
+
+    model, X = hf_activations()
+    assert not is_activation(LinearActivation())  # the identity
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model, [ActivationHealth()])
+    outputs = hooked_step(model, X, optimizer, cockpit, 0)
+    value = cockpit.get_output()[0]["ActivationHealth"]
+    assert list(value) == ["1", "3", "5", "7", "9"]
+    assert_matches(value, brute_force(model, outputs))
+    assert value["9"]["dead"] > 0  # ReLU^2 has dead units; the GELUs have none
+    cockpit.close()
+
+
+class Encoder(nn.Module):
+    def __init__(self, activation):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, activation=activation)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.encoder(x).mean(1))
+
+
+def test_a_transformer_encoder_s_functional_activation_is_named_once():
+    """nn.TransformerEncoderLayer applies F.relu as a function: not seen, said once with the
+    fix; given activation=nn.GELU() (a module), each layer's activation is watched."""
+    torch.manual_seed(0)
+    X = torch.randn(5, 4, 8, dtype=torch.float64)
+    model = Encoder("relu").double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model, [ActivationHealth()])
+    with pytest.warns(UserWarning, match=r"'encoder.layers.0', 'encoder.layers.1'.*activation="):
+        hooked_step(model, X, optimizer, cockpit, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        hooked_step(model, X, optimizer, cockpit, 1)
+    cockpit.close()
+    model = Encoder(nn.GELU()).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    cockpit = Cockpit(model, [ActivationHealth()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        outputs = hooked_step(model, X, optimizer, cockpit, 0)
+    value = cockpit.get_output()[0]["ActivationHealth"]
+    assert list(value) == ["encoder.layers.0.activation", "encoder.layers.1.activation"]
+    assert_matches(value, brute_force(model, outputs))
     cockpit.close()
 
 

@@ -75,3 +75,31 @@ def test_update_ratio_is_update_size_over_parameter_norm_on_a_sparse_schedule():
         assert output[step]["UpdateRatio"]["per_parameter"] == pytest.approx(expected, rel=1e-12)
         total = math.sqrt(sum(s * s for s in sizes) / sum(n * n for n in norms))
         assert output[step]["UpdateRatio"]["global"] == pytest.approx(total, rel=1e-12)
+
+
+def test_a_zero_parameter_has_no_ratio_and_is_left_out_of_the_global_one():
+    """Biases initialised to zero: at step 0 their ratio is nan (undefined, not inf) and the
+    global ratio is that of the other parameters; at step 1 they have moved and count."""
+    model, X, y, loss_fn = models.mlp(n=6)
+    biases = [k for k, (name, _) in enumerate(model.named_parameters()) if "bias" in name]
+    assert biases
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            if k in biases:
+                p.zero_()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    output, history = train(model, X, y, loss_fn, optimizer, [UpdateRatio()], steps=3)
+    first = output[0]["UpdateRatio"]
+    weights = [k for k in range(len(history[0])) if k not in biases]
+    assert all(math.isnan(first["per_parameter"][k]) for k in biases)
+    _, per_parameter = brute_force(history[0], history[1])
+    assert [first["per_parameter"][k] for k in weights] == pytest.approx(
+        [per_parameter[k] for k in weights], rel=1e-12
+    )
+    delta = torch.cat([(history[1][k] - history[0][k]).flatten() for k in weights])
+    theta = torch.cat([history[0][k].flatten() for k in weights])
+    assert first["global"] == pytest.approx(float(delta.norm() / theta.norm()), rel=1e-12)
+    assert math.isfinite(PER_LAYER.scalar(first))
+    total, per_parameter = brute_force(history[1], history[2])  # every bias has moved
+    assert output[1]["UpdateRatio"]["global"] == pytest.approx(total, rel=1e-12)
+    assert output[1]["UpdateRatio"]["per_parameter"] == pytest.approx(per_parameter, rel=1e-12)

@@ -18,13 +18,14 @@ summed over the columns by each parameter's per-layer rule (:meth:`Rule.column_s
 shared axes, all columns in one product per sample for convolutions, the rule's own statistics
 for everything else), routed as the per-sample engine routes the parameter.
 
-Cost, with K columns (V - 1 = 9 for 10 classes): K backwards from the output to the layer
-outputs (no weight gradients), each roughly the input-gradient half of a backward; for each
-convolution, K times the multiply-adds of its forward (the per-sample, per-column weight
-gradients have no cheaper exact form); for Linear layers, one product the size of the layer's
-forward in all. So on 10 classes the exact diagonal costs several plain steps on any network
-whose backward is not negligible; the MC diagonal costs one column. The exact diagonal needs
-M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
+Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
+some sample's loss reaches, so none for padding or the position a causal shift drops): K
+backwards from the output to the layer outputs (no weight gradients), each roughly the input-
+gradient half of a backward; for each convolution, K times the multiply-adds of its forward
+(the per-sample, per-column weight gradients have no cheaper exact form); for Linear layers,
+one product the size of the layer's forward in all. So on 10 classes the exact diagonal costs
+several plain steps on any network whose backward is not negligible; the MC diagonal costs one
+column. The exact diagonal needs M <= ``MAX_OUTPUT_SIZE`` output entries per sample.
 """
 
 from __future__ import annotations
@@ -32,7 +33,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from avionics.curvature.step.loss_root import check_exact_columns, loss_hessian_root
+from avionics.curvature.step.loss_root import (
+    check_exact_columns,
+    loss_gradient,
+    loss_hessian_root,
+)
 from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
@@ -72,9 +77,7 @@ def ggn_diagonal(
     m = out_shape.numel() // n
     if mc_samples is None:
         check_exact_columns(out_shape, m)
-    (u,) = torch.autograd.grad(
-        individual_losses.sum(), [out_edge], retain_graph=True, create_graph=True
-    )
+    u = loss_gradient(individual_losses, root)
     root_of = loss_hessian_root(individual_losses, root, u)
     if mc_samples is None:
         columns = root_of.columns()

@@ -9,6 +9,20 @@ consumer of y is such an addition, the gradient the additions receive, read by a
 their autograd node, is y's per-sample output gradient (summed over the consumers), and the
 call's rule treats y as broadcast to the batch (:attr:`ModuleCall.broadcast_grad_outputs`).
 Any other consumer (a product, a matmul) leaves the call to its batched ancestor's rule.
+
+Parameters used directly in a forward (a ViT's class token and position table, a scale or
+shift of the root module) have closed forms where every path from the parameter p reaches
+the batch through views (``pos[:T]``, ``cls.unsqueeze(0)``) and then one of
+
+* an addition h = e + alpha v (v the viewed p): dh_n/dv = alpha dh_n, reduced to v's shape;
+* an expand along the batch axis v -> [N, ...] (``cls.expand(N, -1, -1)``, then concatenated
+  with the patches): sample n's gradient is the expand output's gradient at n, reduced to v;
+* a product h = e * v (a scale): sample n's gradient is (dh_n * e_n) reduced to v's shape;
+
+and is mapped back through the views' backward per sample. A parameter of the root (or of a
+module the forward does not call) that the forward does not use at all has per-sample
+gradients zero. Only parameters without such a form take the generic rule (the whole model
+re-run under vmap).
 """
 
 from __future__ import annotations
@@ -57,7 +71,7 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
         if not isinstance(node, Tensor)
     }
     owners = parameter_owners(root) if owners is None else owners
-    direct = {id(p) for m in _direct_users(root, forward, owners) for p in m.parameters(False)}
+    direct = {id(p): p for m in _direct_users(root, forward, owners) for p in m.parameters(False)}
     if not shared and not direct:
         return []
     consumers: dict[tuple, list[tuple]] = {}  # edge -> [(node, input position)]
@@ -81,6 +95,12 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
         for node, scale, views, shape in uses or ():
             per_sample = _per_sample(scale, views, shape, axis, n)
             handles.append(node.register_prehook(_parameter_accumulator(last, leaf, per_sample)))
+    # parameters the forward does not reach: g_n = 0 (a zero of stride 0, materialised by the
+    # rule a chunk of samples at a time)
+    reached = {id(leaf.variable) for leaf in leaves}
+    for key, p in direct.items():
+        if key not in reached and p.requires_grad:
+            last.shared_parameter_gradients[key] = p.detach().new_zeros(()).expand(n, *p.shape)
     return handles
 
 
@@ -127,12 +147,12 @@ _VIEWS = {
 
 
 def _uses(edge, consumers, shape, views=()) -> list[tuple] | None:
-    """(addition node, scale, views from it back to ``edge``, the operand's shape) for every
-    path from ``edge`` (a tensor of ``shape``) to an addition through views; None where any
-    consumer is neither."""
+    """(broadcasting node, scale, views from it back to ``edge``, the operand's shape) for
+    every path from ``edge`` (a tensor of ``shape``) through views to an addition, an expand
+    or a product (:func:`_broadcast_scale`); None where any consumer is none of them."""
     found = []
     for node, position in consumers.get(edge, ()):
-        scale = _addition_scale(node, position)
+        scale = _broadcast_scale(node, position)
         if scale is not None:
             found.append((node, scale, views, shape))
         elif node.name() in _VIEWS and len(node.next_functions) == 1:
@@ -162,6 +182,10 @@ def _per_sample(scale: float, views: tuple, shape, axis: int, n: int):
     def gradients(dh: Tensor) -> Tensor | None:
         if dh.dim() <= axis or dh.shape[axis] != n:
             return None
+        if isinstance(scale, Tensor):  # a product's other operand, broadcast to dh
+            if scale.dim() > dh.dim():
+                return None
+            return vmap(one, in_dims=axis)(dh.detach() * scale.detach().expand_as(dh))
         return vmap(one, in_dims=axis)(dh.detach() * scale)
 
     return gradients
@@ -190,6 +214,22 @@ def _addition_scale(node, position: int) -> float | None:
         return 1.0
     value = float(getattr(node, alpha, 1))
     return -value if node.name() == "SubBackward0" else value
+
+
+def _broadcast_scale(node, position: int) -> float | Tensor | None:
+    """d(output)/d(operand ``position``) of a node that broadcasts a parameter's view into the
+    batch: an addition's (:func:`_addition_scale`), 1 for an expand, the other operand for a
+    product (a tensor); else None."""
+    scale = _addition_scale(node, position)
+    if scale is not None:
+        return scale
+    name = node.name()
+    if name == "ExpandBackward0":
+        return 1.0
+    if name == "MulBackward0" and position in (0, 1):
+        other = node._saved_other if position == 0 else node._saved_self
+        return other if isinstance(other, Tensor) else None
+    return None
 
 
 def _accumulator(call, index: int, scale: float):
@@ -224,8 +264,9 @@ def _parameter_accumulator(root_call, leaf, per_sample):
 
 class SharedParameterRule(Rule):
     """Parameters used directly in ``module``'s forward, each broadcast into the batch by
-    additions: their per-sample gradients ``gradients`` (from the captured backward, see
-    :func:`hook_shared_outputs`, output-gradient factor 1 there) are scaled and kept whole."""
+    additions, expands or products (or not used at all): their per-sample gradients
+    ``gradients`` (from the captured backward, see :func:`hook_shared_outputs`, output-gradient
+    factor 1 there), kept whole and scaled a chunk of samples at a time."""
 
     def __init__(
         self,
@@ -237,7 +278,7 @@ class SharedParameterRule(Rule):
         gradients: list[Tensor],
     ):
         super().__init__(module, calls, names, n, output_gradient_factor)
-        self.gradients = [g * output_gradient_factor for g in gradients]
+        self.gradients = gradients
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
-        return [g[start:stop] for g in self.gradients]
+        return [g[start:stop] * self.output_gradient_factor for g in self.gradients]

@@ -1,0 +1,58 @@
+"""The primary dashboard of a "transformer" preset run: its instruments without a primary
+panel of their own (UpdateRatio, ActivationHealth, GradientNoiseScale, PreconditionedSharpness)
+take the places of the empty panels, so that only the curvature diagonals, which the preset
+does not run, say "no data"; an economy run's dashboard is as it was."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from avionics import Cockpit, configuration
+from avionics.dashboard.figure import plot
+
+
+def run(preset: str, optimizer=torch.optim.AdamW):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.GELU(), nn.Linear(16, 3))
+    opt = optimizer(model.parameters(), lr=1e-2)
+    cockpit = Cockpit(model, configuration(preset))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            X, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+            losses = F.cross_entropy(model(X), y, reduction="none")
+            info = {"loss": losses.mean(), "individual_losses": losses, "optimizer": opt}
+            with cockpit(step, info={**info, "batch_size": 8}):
+                losses.mean().backward(create_graph=cockpit.create_graph(step))
+            opt.step()
+            opt.zero_grad()
+    return cockpit
+
+
+def empty_and_titles(fig):
+    empty = [t.get_text() for ax in fig.axes for t in ax.texts if "no data" in t.get_text()]
+    return empty, [ax.get_title() for ax in fig.axes]
+
+
+def test_the_transformer_preset_fills_the_panels_it_has_data_for():
+    empty, titles = empty_and_titles(plot(run("transformer")))
+    assert empty == ["no data\n(needs HessTrace)", "no data\n(needs TICDiag or TICTrace)"]
+    for title in (
+        "Update-to-weight ratio",
+        "Activation RMS",
+        "GradientNoiseScale",
+        "PreconditionedSharpness",
+        "Gradient norm",
+    ):
+        assert title in titles, titles
+    assert any(t.startswith("Dead units") for t in titles), titles
+
+
+def test_an_economy_run_keeps_its_panels():
+    empty, titles = empty_and_titles(plot(run("economy", torch.optim.SGD)))
+    assert "Update-to-weight ratio" not in titles
+    assert "no data\n(needs HessMaxEV)" in empty
