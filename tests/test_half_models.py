@@ -133,7 +133,10 @@ def mismatches(ours: dict, expected: dict, dtype: torch.dtype) -> list[str]:
             for path, v in theirs.items():
                 w = mine[path]
                 rtol = (SECOND_ORDER_RTOL if name in SECOND_ORDER else RTOL)[dtype]
-                if isinstance(v, float) and w != v:  # (equal infinities are equal)
+                if isinstance(v, float) and math.isnan(v):  # (undefined in both: equal)
+                    if not (isinstance(w, float) and math.isnan(w)):
+                        found.append(f"step {step} {name}{list(path)}: {w!r}, not nan")
+                elif isinstance(v, float) and w != v:  # (equal infinities are equal)
                     if not abs(w - v) <= rtol * max(abs(v), scale):
                         found.append(
                             f"step {step} {name}{list(path)}: {w!r} against the float64 "
