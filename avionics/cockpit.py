@@ -29,6 +29,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
@@ -450,7 +451,7 @@ class Cockpit:
         """Forget the two-step quantities' starts: the step that would end them is lost."""
         for q in self.quantities:
             if isinstance(q, TwoStepQuantity):
-                q.pending = None
+                _forget_pending(q)
 
     def _done(self, step: int) -> None:
         """``step`` is over (stored or not): arm for the next."""
@@ -464,7 +465,7 @@ class Cockpit:
         skipped = [q for q in active if q.request(step)]
         for q in skipped:
             if isinstance(q, TwoStepQuantity):
-                q.pending = None  # its start would end after two updates
+                _forget_pending(q)  # its start would end after two updates
         warnings.warn(
             f"Step {step}: the cockpit captured no forward pass of its model that this step's "
             f"loss was backpropagated through, so {', '.join(q.name for q in skipped)} are not "
@@ -539,6 +540,17 @@ class Cockpit:
             "outputs": {q.name: q.output.describe() for q in self.quantities},
             "world_size": self._world.size,
         }
+
+
+def _forget_pending(quantity: TwoStepQuantity) -> None:
+    """Drop ``quantity``'s pending start, and with it every hook the start holds (Alpha's on
+    the optimizer's step: left there, it would fire at the user's ``optimizer.step()`` and
+    remove itself while the optimizer iterates over its hooks)."""
+    if quantity.pending is not None:
+        for held in getattr(quantity.pending[1], "__dict__", {}).values():
+            if isinstance(held, RemovableHandle):
+                held.remove()
+    quantity.pending = None
 
 
 def _uncompiled(model: nn.Module) -> tuple[bool, nn.Module]:
