@@ -217,6 +217,9 @@ class Cockpit:
         """Micro-batch ``i`` of ``k`` of ``step`` after every check (raising changes nothing):
         its active quantities and, where some are, what ``info`` says of the batch."""
         self._check_open()
+        acc = self._accumulation
+        if i == 0 and acc is not None and checks.is_step(step) and step > acc.step:
+            self._skip_short_step(step)
         accumulation = checks.check_micro_batch(self._accumulation, step, i, k)
         if accumulation is None:
             checks.check_step(step, self._last_step, self._restored, self.quantities)
@@ -264,7 +267,7 @@ class Cockpit:
         if capture is not None:
             capture.disarm()
         single, several = entry.single, self._world.size > 1
-        record = bool(entry.request) and (entry.finite or not single)
+        record = bool(entry.request) and capture is not None and (entry.finite or not single)
         if single and record and (capture is None or not capture.calls):
             entry.active, entry.request = self._without_per_sample(entry.step, entry.active, 5)
             record = False
@@ -286,7 +289,7 @@ class Cockpit:
         parts = entry.parts if part is None else [*entry.parts, part]
         if not entry.last:  # the next micro-batch's forward comes next
             self._accumulation = Accumulation(
-                entry.step, entry.k, entry.index, entry.active, parts
+                entry.step, entry.k, entry.index, entry.active, parts, entry.request
             )
             if entry.active:
                 self._arm_with(entry.request)
@@ -446,6 +449,28 @@ class Cockpit:
             # the user may retry this step or go on to the next
             self._arm_with(self._request(step) | self._request(step + 1))
             raise
+
+    def _skip_short_step(self, step: int) -> None:
+        """Micro-batch 0 of ``step`` began while the step before had fewer micro-batches than
+        it declared (an epoch's remainder): that step is skipped, with a warning, and
+        ``step`` is tracked. Its forward was captured for the skipped step's request: where
+        ``step`` needs more, its per-sample quantities are skipped (with the usual warning)."""
+        acc, self._accumulation = self._accumulation, None
+        for part in acc.parts:
+            if part.capture is not None:
+                part.capture.release()
+        self._drop_pending()
+        self._last_step = acc.step
+        if self._request(step) | acc.request != acc.request:
+            self._disarm()
+        warnings.warn(
+            f"Step {acc.step} had the micro-batches 0, ..., {acc.index} of the {acc.k} it "
+            f"declared when step {step} began: it is skipped (nothing is stored for it, nor "
+            "UpdateSize and Alpha of the tracked step before it). Give each micro-batch of a "
+            "step the step's true number of micro-batches (micro_batches=2 for an epoch's "
+            "last 2 batches).",
+            stacklevel=5,
+        )
 
     def _drop_pending(self) -> None:
         """Forget the two-step quantities' starts: the step that would end them is lost."""
