@@ -51,10 +51,10 @@ from avionics.step.output import (
 )
 from avionics.step.parallel import SHARDED_QUANTITIES, DataParallel, check_ddp_options, sharded
 from avionics.step.precision import at_least_float32, scale_recorder, without_autocast
+from avionics.step.state import check_state, state_of
 from avionics.step.values import Accumulation, Combined, Entry, Part
 from avionics.version import __version__
 
-STATE_VERSION = 1
 # With a log, the steps get_output keeps in memory (the log keeps all of them).
 OUTPUT_WINDOW = 1000
 
@@ -387,33 +387,35 @@ class Cockpit:
         """What a run resumed from a checkpoint needs to continue every quantity as if
         uninterrupted (Distance's theta_0, HessMaxEV's warm start, adapted histogram ranges,
         pending two-step starts). Save it with ``torch.save`` after ``optimizer.step()``."""
-        return {
-            "version": STATE_VERSION,
-            "quantities": {q.name: q.state_dict() for q in self.quantities},
-        }
+        return state_of(self.quantities, self.param_names, self.params)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into a cockpit with the same quantities (checked before
-        anything changes; a state one quantity refuses leaves every quantity as it was)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(
-                "Cockpit.load_state_dict takes what Cockpit.state_dict returned (version "
-                f"{STATE_VERSION}); got {type(state).__name__}."
-            )
-        saved, ours = state["quantities"], {q.name for q in self.quantities}
-        if set(saved) != ours:
-            raise ValueError(
-                f"The saved cockpit had the quantities {sorted(saved)}, this one has "
-                f"{sorted(ours)}: build the cockpit with the same quantities to resume."
-            )
+        """Restore :meth:`state_dict` into a cockpit with the same quantities on the same
+        model (version, tracked parameters and their shapes, quantities and the shapes of
+        their saved tensors checked before anything changes; a state one quantity refuses
+        leaves every quantity as it was)."""
+        check_state(state, self.quantities, self.param_names, self.params)
+        saved = state["quantities"]
         before = {q.name: q.state_dict() for q in self.quantities}
+        # the pending starts themselves: a rollback keeps them, hooks included
+        pending = {q: q.pending for q in self.quantities if isinstance(q, TwoStepQuantity)}
+        failing = None
         try:
-            for q in self.quantities:
-                q.load_state_dict(saved[q.name])
-        except BaseException:  # a state a quantity refuses: the others as they were
+            for failing in self.quantities:
+                failing.load_state_dict(saved[failing.name])
+        except BaseException as error:  # a state a quantity refuses: the others as they were
             for q in self.quantities:
                 q.load_state_dict(before[q.name])
+            for q, start in pending.items():
+                q.pending = start
+            if isinstance(error, (KeyError, TypeError, AttributeError, IndexError)):
+                raise ValueError(
+                    f"The saved cockpit state of {failing.name} is corrupt "
+                    f"({type(error).__name__}: {error}): load the state that "
+                    "Cockpit.state_dict() gave for this model and these quantities."
+                ) from error
             raise
+        _release_hooks([start for start in pending.values() if start is not None])
         self._restored = True
 
     def close(self) -> None:
@@ -572,10 +574,16 @@ def _forget_pending(quantity: TwoStepQuantity) -> None:
     the optimizer's step: left there, it would fire at the user's ``optimizer.step()`` and
     remove itself while the optimizer iterates over its hooks)."""
     if quantity.pending is not None:
-        for held in getattr(quantity.pending[1], "__dict__", {}).values():
+        _release_hooks([quantity.pending])
+    quantity.pending = None
+
+
+def _release_hooks(pending: list) -> None:
+    """Remove the hooks that the (step, start) pairs of ``pending`` hold."""
+    for _, start in pending:
+        for held in getattr(start, "__dict__", {}).values():
             if isinstance(held, RemovableHandle):
                 held.remove()
-    quantity.pending = None
 
 
 def _uncompiled(model: nn.Module) -> tuple[bool, nn.Module]:

@@ -51,3 +51,65 @@ def test_a_step_with_fewer_micro_batches_than_declared_is_skipped_with_a_warning
     cockpit.close()
     assert sorted(read_run(tmp_path / "run").steps) == [0, 2]
     assert hooks(model, opt) == 0
+
+
+# ------------------------------------------------------------------ item 3
+def trained_state(model_fn, steps=2):
+    model, X, y, loss_fn = model_fn()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [quantities.Distance(), quantities.Alpha(), quantities.NormTest()])
+    for step in range(steps):
+        micro_step(cockpit, model, X, y, loss_fn, step, 1, 1, opt)
+    cockpit.close()
+    return cockpit.state_dict()
+
+
+def wider_mlp():
+    model, X, y, loss_fn = models.mlp(n=4)
+    model[0] = torch.nn.Linear(6, 5).double()
+    model[2] = torch.nn.Linear(5, 4, bias=False).double()
+    return model, X, y, loss_fn
+
+
+def corrupt_pending(state):
+    state["quantities"]["Alpha"] = {"pending": {}}
+    return state
+
+
+def wrong_shape(state):
+    theta = state["quantities"]["Distance"]["initial"]
+    theta[0] = theta[0][:, :2]
+    return state
+
+
+BAD_STATES = {
+    "another model": (lambda s: trained_state(wider_mlp), r"other parameters: not saved: 2\.bias"),
+    "a tensor of the wrong shape": (wrong_shape, r"Distance\['initial'\] holds a tensor of shape"),
+    "a corrupt pending start": (corrupt_pending, r"state of Alpha is corrupt \(KeyError"),
+    "another version": (lambda s: {**s, "version": 7}, "of version 7"),
+    "no quantities": (lambda s: {**s, "quantities": [1]}, "no dict of quantity states"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_STATES))
+def test_a_state_of_another_model_or_corrupt_is_refused_before_any_change(case):
+    make, match = BAD_STATES[case]
+    state = make(trained_state(lambda: models.mlp(n=4)))
+    model, X, y, loss_fn = models.mlp(n=4, seed=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    cockpit = Cockpit(model, [quantities.Distance(), quantities.Alpha(), quantities.NormTest()])
+    micro_step(cockpit, model, X, y, loss_fn, 0, 1, 1, opt)
+    before = cockpit.state_dict()
+    with pytest.raises(ValueError, match=match) as refused:
+        cockpit.load_state_dict(state)
+    assert "Cockpit.state_dict()" in str(refused.value) or "same quantities" in str(refused.value)
+    after = cockpit.state_dict()
+    assert torch.equal(
+        after["quantities"]["Distance"]["initial"][0],
+        before["quantities"]["Distance"]["initial"][0],
+    )
+    assert after["quantities"]["Alpha"].keys() == before["quantities"]["Alpha"].keys()
+    micro_step(cockpit, model, X, y, loss_fn, 1, 1, 1, opt)  # the run goes on
+    assert {"Distance", "Alpha"} <= set(cockpit.get_output()[0])
+    cockpit.close()
+    assert hooks(model, opt) == 0
