@@ -128,6 +128,7 @@ class Cockpit:
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = checks.tracked_parameters(model, params)
+        self._every_parameter = params is None
         self._engine = PerSampleEngine(model, self.params)
         # entered for a step that differentiates the gradient again (see _keep_graph_if)
         self._graph_step = None
@@ -234,6 +235,10 @@ class Cockpit:
         """Check ``entry``'s info and loss graphs, and set its request, reduction, N, loss
         and (for one batch) the global batch."""
         step, info, active = entry.step, entry.info, entry.active
+        if entry.index == 0:
+            checks.check_model_unchanged(
+                step, self.model, self.params, self.param_names, self._every_parameter
+            )
         for q in active:
             entry.request = entry.request | q.request(step)
         if not entry.single and entry.index == 0:

@@ -113,3 +113,41 @@ def test_a_state_of_another_model_or_corrupt_is_refused_before_any_change(case):
     assert {"Distance", "Alpha"} <= set(cockpit.get_output()[0])
     cockpit.close()
     assert hooks(model, opt) == 0
+
+
+# ------------------------------------------------------------------ item 4
+def replace_a_module(model):
+    model[2] = torch.nn.Linear(5, 4).double()
+    return r"'2\.weight' is another tensor \(its module was replaced\)"
+
+
+def freeze_a_parameter(model):
+    model[2].weight.requires_grad_(False)
+    return r"'2\.weight' no longer requires grad \(frozen\)"
+
+
+def add_a_module(model):
+    model.append(torch.nn.Linear(3, 3).double())
+    return r"'5\.weight' is a new parameter that requires grad"
+
+
+@pytest.mark.parametrize("change", [replace_a_module, freeze_a_parameter, add_a_module])
+def test_a_model_changed_between_steps_is_refused_with_what_changed(tmp_path, change):
+    model, X, y, loss_fn = models.mlp(n=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    every = schedules.linear(1)
+    used = [quantities.Loss(), quantities.NormTest(every), quantities.UpdateSize(every)]
+    cockpit = Cockpit(model, used, log=tmp_path / "run")
+    micro_step(cockpit, model, X, y, loss_fn, 0, 1, 1, opt)
+    match = change(model)
+    for step in (1, 2):  # refused on entering, at every step, before its block
+        losses = loss_fn(model(X), y)
+        with pytest.raises(ValueError, match=match) as refused:
+            with cockpit(step, info_of(losses, optimizer=opt)):
+                pytest.fail("the block must not run")
+        assert "build a new Cockpit on the model as it is now" in str(refused.value)
+    assert all(p.grad is None for p in model.parameters())
+    assert sorted(cockpit.get_output()) == [0]
+    cockpit.close()
+    assert sorted(read_run(tmp_path / "run").steps) == [0]
+    assert hooks(model, opt) == 0
