@@ -151,3 +151,11 @@ def test_a_model_changed_between_steps_is_refused_with_what_changed(tmp_path, ch
     cockpit.close()
     assert sorted(read_run(tmp_path / "run").steps) == [0]
     assert hooks(model, opt) == 0
+
+
+# ------------------------------------------------------------------ item 8
+def test_a_complex_parameter_is_refused_at_construction_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2, dtype=torch.complex64))
+    with pytest.raises(ValueError, match=r"Parameter '0\.weight' is complex.*torch\.view_as_real"):
+        Cockpit(model, [quantities.GradNorm()])
+    assert len(torch.nn.modules.module._global_forward_hooks) == 0

@@ -332,6 +332,13 @@ def tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], li
                     f"Parameter '{named[id(p)]}' does not require grad, so it has no gradient "
                     "to track. Set requires_grad=True or leave it out of params."
                 )
+    for p in chosen:
+        if p.is_complex():
+            raise ValueError(
+                f"Parameter '{named[id(p)]}' is complex ({p.dtype}): the cockpit's "
+                "quantities are defined for real parameters. Leave it out of params=, or "
+                "track a real view of it (torch.view_as_real) as the model's parameter."
+            )
     return chosen, [named[id(p)] for p in chosen]
 
 
