@@ -25,6 +25,7 @@ stage's work is in :mod:`avionics.step`, one concern per module.
 from __future__ import annotations
 
 import warnings
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -59,6 +60,35 @@ from avionics.version import __version__
 OUTPUT_WINDOW = 1000
 
 __all__ = ["LEARNING_RATE", "OUTPUT_WINDOW", "SHARDED_QUANTITIES", "Cockpit", "StepValues"]
+
+
+class _Held:
+    """The cockpit's hold on the process's global state: the armed capture (a global forward
+    hook), the compiler's eager stance, the math attention kernel of a step that
+    differentiates twice. :meth:`release` lets go of all three (a cockpit dropped without
+    ``close()``: every compiled model of the process would run eagerly)."""
+
+    def __init__(self):
+        self.capture = None
+        self.eager = None
+        self.graph_step = None
+
+    def release(self) -> None:
+        if self.capture is not None:
+            self.capture.disarm()
+            self.capture.release()
+        for context in (self.eager, self.graph_step):
+            if context is not None:
+                context.__exit__(None, None, None)
+        self.capture = self.eager = self.graph_step = None
+
+
+def _held(name: str) -> property:
+    """An attribute of the cockpit kept in its :class:`_Held`."""
+    return property(
+        lambda self: getattr(self._held, name),
+        lambda self, value: setattr(self._held, name, value),
+    )
 
 
 class Cockpit:
@@ -97,6 +127,10 @@ class Cockpit:
     their own end (the compiled code runs no module hooks); every other step runs compiled.
     """
 
+    _capture = _held("capture")
+    _eager = _held("eager")
+    _graph_step = _held("graph_step")
+
     def __init__(
         self,
         model: nn.Module,
@@ -121,6 +155,10 @@ class Cockpit:
         model, self._ddp = unwrap(model)
         compiled_inside, model = _uncompiled(model)
         self._compiled = self._compiled or compiled_inside
+        # what the cockpit holds of the process's global state: released by close(), or when
+        # the cockpit is garbage-collected without it
+        self._held = _Held()
+        weakref.finalize(self, self._held.release)
         self._eager = None  # the compiler's eager stance, while entered
         self._sharded = sharded(model, quantities)
         check_ddp_options(self._ddp, quantities)
