@@ -159,3 +159,26 @@ def test_a_complex_parameter_is_refused_at_construction_by_name():
     with pytest.raises(ValueError, match=r"Parameter '0\.weight' is complex.*torch\.view_as_real"):
         Cockpit(model, [quantities.GradNorm()])
     assert len(torch.nn.modules.module._global_forward_hooks) == 0
+
+
+# ------------------------------------------------------------------ item 5
+def test_a_log_folder_deleted_while_training_is_recreated_with_a_warning(tmp_path):
+    import shutil
+
+    model, X, y, loss_fn = models.mlp(n=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    cockpit = Cockpit(
+        model, [quantities.Loss(), quantities.NormTest(schedules.linear(1))], log=run
+    )
+    micro_step(cockpit, model, X, y, loss_fn, 0, 1, 1, opt)
+    shutil.rmtree(run)
+    with pytest.warns(UserWarning, match=r"was deleted while the run wrote it.*recreated it"):
+        micro_step(cockpit, model, X, y, loss_fn, 1, 1, 1, opt)
+    micro_step(cockpit, model, X, y, loss_fn, 2, 1, 1, opt)
+    cockpit.close()
+    recreated = read_run(run)
+    assert sorted(recreated.steps) == [1, 2]
+    assert recreated.steps[2] == pytest.approx(cockpit.get_output()[2])
+    assert recreated.metadata["model"] == "Sequential"
+    assert recreated.metadata["optimizer"]["name"] == "SGD"  # learnt at step 0, written again
