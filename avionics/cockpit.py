@@ -275,7 +275,12 @@ class Cockpit:
         step, info, active = entry.step, entry.info, entry.active
         if entry.index == 0:
             checks.check_model_unchanged(
-                step, self.model, self.params, self.param_names, self._every_parameter
+                step,
+                self.model,
+                self.params,
+                self.param_names,
+                self._every_parameter,
+                self._sharded,
             )
         for q in active:
             entry.request = entry.request | q.request(step)

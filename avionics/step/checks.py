@@ -343,16 +343,19 @@ def tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], li
 
 
 def check_model_unchanged(
-    step: int, model: nn.Module, params: list, names: list[str], every: bool
+    step: int, model: nn.Module, params: list, names: list[str], every: bool, sharded: bool
 ) -> None:
-    """The tracked parameters are still the model's, under their names, with their shapes,
-    requiring grad (and, with ``every``, i.e. params=None, the only parameters that require
-    grad): raises on entering a step, before anything changes, naming what changed."""
+    """The tracked parameters are still the model's, under their names, requiring grad (and,
+    with ``every``, i.e. params=None, the only parameters that require grad): raises on
+    entering a step, before anything changes, naming what changed. Under FSDP (``sharded``)
+    only whether they require grad: between its forward and backward the root module holds
+    unsharded tensors in place of its parameters."""
     remedy = (
         "build a new Cockpit on the model as it is now (its quantities start afresh), or "
         "change the model only before building the cockpit"
     )
-    now = dict(model.named_parameters())
+    now = dict(zip(names, params)) if sharded else dict(model.named_parameters())
+    every = every and not sharded
     changed = []
     for name, p in zip(names, params):
         current = now.get(name)
