@@ -220,8 +220,10 @@ def sharded(model: nn.Module, quantities: list) -> bool:
             "parameters the cockpit cannot name. Shard it with "
             "torch.distributed.fsdp.fully_shard instead, or use DistributedDataParallel."
         )
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if not distributed:
         return False
+    _check_fsdp_placements(model, distributed)
     unsupported = [q.name for q in quantities if q.name not in SHARDED_QUANTITIES]
     if unsupported:
         raise TypeError(
@@ -232,3 +234,32 @@ def sharded(model: nn.Module, quantities: list) -> bool:
             "DistributedDataParallel."
         )
     return True
+
+
+def _check_fsdp_placements(model: nn.Module, distributed: list) -> None:
+    """The DTensor parameters are FSDP's (``fully_shard``: each Shard(0) over a mesh of one
+    dimension); tensor parallelism (``parallelize_module``: Replicate, Shard(1), or Shard(0)
+    without fully_shard) and HSDP's two-dimensional meshes are refused by name: their
+    gradients are not the processes' batches' (a replicated parameter's would count twice)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
+    remedy = (
+        "The cockpit supports FSDP's sharding only (torch.distributed.fsdp.fully_shard, "
+        "Shard(0) over one mesh dimension): train under fully_shard alone or "
+        "DistributedDataParallel, or leave the cockpit out of a tensor-parallel run."
+    )
+    for name, p in distributed:
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise TypeError(
+                f"Cockpit: the parameter '{name}' is a DTensor with placements "
+                f"{tuple(p.placements)} over a mesh of {p.device_mesh.ndim} dimension(s): "
+                f"tensor parallelism (parallelize_module) or HSDP is not supported. {remedy}"
+            )
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        name, p = distributed[0]
+        raise TypeError(
+            f"Cockpit: the parameter '{name}' is a DTensor (placements {tuple(p.placements)}) "
+            f"but no module of the model is sharded by fully_shard: tensor parallelism "
+            f"(parallelize_module, distribute_module) is not supported. {remedy}"
+        )
