@@ -32,13 +32,19 @@ def hooks(model, opt) -> int:
     return count + len(torch.nn.modules.module._global_forward_hooks)
 
 
-# ------------------------------------------------------------------ item 2
-def test_a_step_with_fewer_micro_batches_than_declared_is_skipped_with_a_warning(tmp_path):
-    model, X, y, loss_fn = models.mlp(n=6)
+def logged_cockpit(tmp_path, n, two_step):
+    """An MLP of n samples, its SGD, and a logged cockpit of Loss, NormTest and ``two_step``
+    at every step."""
+    model, X, y, loss_fn = models.mlp(n=n)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     every = schedules.linear(1)
-    used = [quantities.Loss(), quantities.NormTest(every), quantities.Alpha(every)]
-    cockpit = Cockpit(model, used, log=tmp_path / "run")
+    used = [quantities.Loss(), quantities.NormTest(every), two_step(every)]
+    return model, X, y, loss_fn, opt, Cockpit(model, used, log=tmp_path / "run")
+
+
+# ------------------------------------------------------------------ item 2
+def test_a_step_with_fewer_micro_batches_than_declared_is_skipped_with_a_warning(tmp_path):
+    model, X, y, loss_fn, opt, cockpit = logged_cockpit(tmp_path, 6, quantities.Alpha)
     micro_step(cockpit, model, X, y, loss_fn, 0, 3, 3, opt)
     micro_step(cockpit, model, X[:4], y[:4], loss_fn, 1, 2, 3, opt)  # 2 of 3 micro-batches
     expected = gradient_quantities(model, X, y, loss_fn)
@@ -133,11 +139,7 @@ def add_a_module(model):
 
 @pytest.mark.parametrize("change", [replace_a_module, freeze_a_parameter, add_a_module])
 def test_a_model_changed_between_steps_is_refused_with_what_changed(tmp_path, change):
-    model, X, y, loss_fn = models.mlp(n=4)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    every = schedules.linear(1)
-    used = [quantities.Loss(), quantities.NormTest(every), quantities.UpdateSize(every)]
-    cockpit = Cockpit(model, used, log=tmp_path / "run")
+    model, X, y, loss_fn, opt, cockpit = logged_cockpit(tmp_path, 4, quantities.UpdateSize)
     micro_step(cockpit, model, X, y, loss_fn, 0, 1, 1, opt)
     match = change(model)
     for step in (1, 2):  # refused on entering, at every step, before its block
