@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import torch
 from torch import nn
@@ -50,7 +50,13 @@ from avionics.step.output import (
     add_learning_rates,
     opened_sinks,
 )
-from avionics.step.parallel import SHARDED_QUANTITIES, DataParallel, check_ddp_options, sharded
+from avionics.step.parallel import (
+    SHARDED_QUANTITIES,
+    Agreement,
+    DataParallel,
+    check_ddp_options,
+    sharded,
+)
 from avionics.step.precision import at_least_float32, scale_recorder, without_autocast
 from avionics.step.state import check_state, state_of
 from avionics.step.values import Accumulation, Combined, Entry, Part
@@ -240,7 +246,11 @@ class Cockpit:
         that record it), leave, and, after the step's last micro-batch, finish."""
         entry = self._enter(step, info, micro_batch, micro_batches)
         capture, part, handles = self._record(entry)
-        with self._interruptible(step, capture):
+        agreement = None
+        if entry.active and self._world.size > 1:  # the processes learn of one that raises
+            agreement = Agreement(step, micro_batch, self.params, self._world)
+            handles += [p.register_hook(agreement.first_gradient) for p in self.params]
+        with self._interruptible(step, capture, agreement):
             try:
                 yield self
             finally:
@@ -249,6 +259,8 @@ class Cockpit:
                         handle.remove()
                 if capture is not None:
                     capture.stop_recording()
+            if agreement is not None:
+                agreement.raise_if_failed(agreement.agree(False))
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -482,12 +494,16 @@ class Cockpit:
             )
 
     @contextmanager
-    def _interruptible(self, step: int, capture):
+    def _interruptible(self, step: int, capture, agreement: Agreement | None):
         """On an exception in the user's block: release the step and re-arm, so that the next
-        step is tracked as usual; the two-step quantities drop the start that needed it."""
+        step is tracked as usual; the two-step quantities drop the start that needed it. With
+        several processes, the others learn of it (``agreement``)."""
         try:
             yield
         except BaseException:
+            if agreement is not None:
+                with suppress(Exception):  # (the process group may be broken already)
+                    agreement.agree(True)
             if capture is not None:
                 capture.release()
             if self._accumulation is not None:  # the step's earlier micro-batches
