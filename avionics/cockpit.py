@@ -233,7 +233,12 @@ class Cockpit:
         block (the user's own, a KeyboardInterrupt) propagates and leaves the cockpit ready for
         the next step (or a retry of this one from micro-batch 0): the interrupted step stores
         nothing, and neither do the two-step values that needed it (UpdateSize and Alpha of the
-        tracked step before it). A step whose gradients are not finite after a scaled backward
+        tracked step before it); with several processes, the others raise a RuntimeError
+        naming the rank and step (every process must run every tracked step). A step whose
+        micro-batch 0 begins while the step before has had fewer micro-batches than it
+        declared skips that step, with a warning. A model changed since the cockpit was built
+        (a tracked parameter replaced, removed or frozen) is refused on entering, naming what
+        changed. A step whose gradients are not finite after a scaled backward
         (c != 1: a step that ``torch.amp.GradScaler`` skips) stores its Loss only, with a
         warning.
         """
