@@ -25,10 +25,12 @@ stage's work is in :mod:`avionics.step`, one concern per module.
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
+import weakref
+from contextlib import contextmanager, suppress
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
@@ -48,16 +50,51 @@ from avionics.step.output import (
     add_learning_rates,
     opened_sinks,
 )
-from avionics.step.parallel import SHARDED_QUANTITIES, DataParallel, check_ddp_options, sharded
+from avionics.step.parallel import (
+    SHARDED_QUANTITIES,
+    Agreement,
+    DataParallel,
+    check_ddp_options,
+    sharded,
+)
 from avionics.step.precision import at_least_float32, scale_recorder, without_autocast
+from avionics.step.state import check_state, state_of
 from avionics.step.values import Accumulation, Combined, Entry, Part
 from avionics.version import __version__
 
-STATE_VERSION = 1
 # With a log, the steps get_output keeps in memory (the log keeps all of them).
 OUTPUT_WINDOW = 1000
 
 __all__ = ["LEARNING_RATE", "OUTPUT_WINDOW", "SHARDED_QUANTITIES", "Cockpit", "StepValues"]
+
+
+class _Held:
+    """The cockpit's hold on the process's global state: the armed capture (a global forward
+    hook), the compiler's eager stance, the math attention kernel of a step that
+    differentiates twice. :meth:`release` lets go of all three (a cockpit dropped without
+    ``close()``: every compiled model of the process would run eagerly)."""
+
+    def __init__(self):
+        self.capture = None
+        self.eager = None
+        self.graph_step = None
+
+    def release(self) -> None:
+        if self.capture is not None:
+            self.capture.disarm()
+            self.capture.release()
+        for context in (self.eager, self.graph_step):
+            if context is not None:
+                context.__exit__(None, None, None)
+        self.capture = self.eager = self.graph_step = None
+
+
+def _held(name: str) -> property:
+    """An attribute of the cockpit kept in its :class:`_Held`."""
+    return property(
+        lambda self: getattr(self._held, name),
+        lambda self, value: setattr(self._held, name, value),
+    )
 
 
 class Cockpit:
@@ -96,6 +133,10 @@ class Cockpit:
     their own end (the compiled code runs no module hooks); every other step runs compiled.
     """
 
+    _capture = _held("capture")
+    _eager = _held("eager")
+    _graph_step = _held("graph_step")
+
     def __init__(
         self,
         model: nn.Module,
@@ -120,6 +161,10 @@ class Cockpit:
         model, self._ddp = unwrap(model)
         compiled_inside, model = _uncompiled(model)
         self._compiled = self._compiled or compiled_inside
+        # what the cockpit holds of the process's global state: released by close(), or when
+        # the cockpit is garbage-collected without it
+        self._held = _Held()
+        weakref.finalize(self, self._held.release)
         self._eager = None  # the compiler's eager stance, while entered
         self._sharded = sharded(model, quantities)
         check_ddp_options(self._ddp, quantities)
@@ -127,6 +172,7 @@ class Cockpit:
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = checks.tracked_parameters(model, params)
+        self._every_parameter = params is None
         self._engine = PerSampleEngine(model, self.params)
         # entered for a step that differentiates the gradient again (see _keep_graph_if)
         self._graph_step = None
@@ -187,7 +233,12 @@ class Cockpit:
         block (the user's own, a KeyboardInterrupt) propagates and leaves the cockpit ready for
         the next step (or a retry of this one from micro-batch 0): the interrupted step stores
         nothing, and neither do the two-step values that needed it (UpdateSize and Alpha of the
-        tracked step before it). A step whose gradients are not finite after a scaled backward
+        tracked step before it); with several processes, the others raise a RuntimeError
+        naming the rank and step (every process must run every tracked step). A step whose
+        micro-batch 0 begins while the step before has had fewer micro-batches than it
+        declared skips that step, with a warning. A model changed since the cockpit was built
+        (a tracked parameter replaced, removed or frozen) is refused on entering, naming what
+        changed. A step whose gradients are not finite after a scaled backward
         (c != 1: a step that ``torch.amp.GradScaler`` skips) stores its Loss only, with a
         warning.
         """
@@ -200,7 +251,11 @@ class Cockpit:
         that record it), leave, and, after the step's last micro-batch, finish."""
         entry = self._enter(step, info, micro_batch, micro_batches)
         capture, part, handles = self._record(entry)
-        with self._interruptible(step, capture):
+        agreement = None
+        if entry.active and self._world.size > 1:  # the processes learn of one that raises
+            agreement = Agreement(step, micro_batch, self.params, self._world)
+            handles += [p.register_hook(agreement.first_gradient) for p in self.params]
+        with self._interruptible(step, capture, agreement):
             try:
                 yield self
             finally:
@@ -209,6 +264,8 @@ class Cockpit:
                         handle.remove()
                 if capture is not None:
                     capture.stop_recording()
+            if agreement is not None:
+                agreement.raise_if_failed(agreement.agree(False))
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -216,6 +273,9 @@ class Cockpit:
         """Micro-batch ``i`` of ``k`` of ``step`` after every check (raising changes nothing):
         its active quantities and, where some are, what ``info`` says of the batch."""
         self._check_open()
+        acc = self._accumulation
+        if i == 0 and acc is not None and checks.is_step(step) and step > acc.step:
+            self._skip_short_step(step)
         accumulation = checks.check_micro_batch(self._accumulation, step, i, k)
         if accumulation is None:
             checks.check_step(step, self._last_step, self._restored, self.quantities)
@@ -230,6 +290,15 @@ class Cockpit:
         """Check ``entry``'s info and loss graphs, and set its request, reduction, N, loss
         and (for one batch) the global batch."""
         step, info, active = entry.step, entry.info, entry.active
+        if entry.index == 0:
+            checks.check_model_unchanged(
+                step,
+                self.model,
+                self.params,
+                self.param_names,
+                self._every_parameter,
+                self._sharded,
+            )
         for q in active:
             entry.request = entry.request | q.request(step)
         if not entry.single and entry.index == 0:
@@ -263,7 +332,7 @@ class Cockpit:
         if capture is not None:
             capture.disarm()
         single, several = entry.single, self._world.size > 1
-        record = bool(entry.request) and (entry.finite or not single)
+        record = bool(entry.request) and capture is not None and (entry.finite or not single)
         if single and record and (capture is None or not capture.calls):
             entry.active, entry.request = self._without_per_sample(entry.step, entry.active, 5)
             record = False
@@ -285,7 +354,7 @@ class Cockpit:
         parts = entry.parts if part is None else [*entry.parts, part]
         if not entry.last:  # the next micro-batch's forward comes next
             self._accumulation = Accumulation(
-                entry.step, entry.k, entry.index, entry.active, parts
+                entry.step, entry.k, entry.index, entry.active, parts, entry.request
             )
             if entry.active:
                 self._arm_with(entry.request)
@@ -383,33 +452,35 @@ class Cockpit:
         """What a run resumed from a checkpoint needs to continue every quantity as if
         uninterrupted (Distance's theta_0, HessMaxEV's warm start, adapted histogram ranges,
         pending two-step starts). Save it with ``torch.save`` after ``optimizer.step()``."""
-        return {
-            "version": STATE_VERSION,
-            "quantities": {q.name: q.state_dict() for q in self.quantities},
-        }
+        return state_of(self.quantities, self.param_names, self.params)
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` into a cockpit with the same quantities (checked before
-        anything changes; a state one quantity refuses leaves every quantity as it was)."""
-        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(
-                "Cockpit.load_state_dict takes what Cockpit.state_dict returned (version "
-                f"{STATE_VERSION}); got {type(state).__name__}."
-            )
-        saved, ours = state["quantities"], {q.name for q in self.quantities}
-        if set(saved) != ours:
-            raise ValueError(
-                f"The saved cockpit had the quantities {sorted(saved)}, this one has "
-                f"{sorted(ours)}: build the cockpit with the same quantities to resume."
-            )
+        """Restore :meth:`state_dict` into a cockpit with the same quantities on the same
+        model (version, tracked parameters and their shapes, quantities and the shapes of
+        their saved tensors checked before anything changes; a state one quantity refuses
+        leaves every quantity as it was)."""
+        check_state(state, self.quantities, self.param_names, self.params)
+        saved = state["quantities"]
         before = {q.name: q.state_dict() for q in self.quantities}
+        # the pending starts themselves: a rollback keeps them, hooks included
+        pending = {q: q.pending for q in self.quantities if isinstance(q, TwoStepQuantity)}
+        failing = None
         try:
-            for q in self.quantities:
-                q.load_state_dict(saved[q.name])
-        except BaseException:  # a state a quantity refuses: the others as they were
+            for failing in self.quantities:
+                failing.load_state_dict(saved[failing.name])
+        except BaseException as error:  # a state a quantity refuses: the others as they were
             for q in self.quantities:
                 q.load_state_dict(before[q.name])
+            for q, start in pending.items():
+                q.pending = start
+            if isinstance(error, (KeyError, TypeError, AttributeError, IndexError)):
+                raise ValueError(
+                    f"The saved cockpit state of {failing.name} is corrupt "
+                    f"({type(error).__name__}: {error}): load the state that "
+                    "Cockpit.state_dict() gave for this model and these quantities."
+                ) from error
             raise
+        _release_hooks([start for start in pending.values() if start is not None])
         self._restored = True
 
     def close(self) -> None:
@@ -428,12 +499,16 @@ class Cockpit:
             )
 
     @contextmanager
-    def _interruptible(self, step: int, capture):
+    def _interruptible(self, step: int, capture, agreement: Agreement | None):
         """On an exception in the user's block: release the step and re-arm, so that the next
-        step is tracked as usual; the two-step quantities drop the start that needed it."""
+        step is tracked as usual; the two-step quantities drop the start that needed it. With
+        several processes, the others learn of it (``agreement``)."""
         try:
             yield
         except BaseException:
+            if agreement is not None:
+                with suppress(Exception):  # (the process group may be broken already)
+                    agreement.agree(True)
             if capture is not None:
                 capture.release()
             if self._accumulation is not None:  # the step's earlier micro-batches
@@ -446,11 +521,33 @@ class Cockpit:
             self._arm_with(self._request(step) | self._request(step + 1))
             raise
 
+    def _skip_short_step(self, step: int) -> None:
+        """Micro-batch 0 of ``step`` began while the step before had fewer micro-batches than
+        it declared (an epoch's remainder): that step is skipped, with a warning, and
+        ``step`` is tracked. Its forward was captured for the skipped step's request: where
+        ``step`` needs more, its per-sample quantities are skipped (with the usual warning)."""
+        acc, self._accumulation = self._accumulation, None
+        for part in acc.parts:
+            if part.capture is not None:
+                part.capture.release()
+        self._drop_pending()
+        self._last_step = acc.step
+        if self._request(step) | acc.request != acc.request:
+            self._disarm()
+        warnings.warn(
+            f"Step {acc.step} had the micro-batches 0, ..., {acc.index} of the {acc.k} it "
+            f"declared when step {step} began: it is skipped (nothing is stored for it, nor "
+            "UpdateSize and Alpha of the tracked step before it). Give each micro-batch of a "
+            "step the step's true number of micro-batches (micro_batches=2 for an epoch's "
+            "last 2 batches).",
+            stacklevel=5,
+        )
+
     def _drop_pending(self) -> None:
         """Forget the two-step quantities' starts: the step that would end them is lost."""
         for q in self.quantities:
             if isinstance(q, TwoStepQuantity):
-                q.pending = None
+                _forget_pending(q)
 
     def _done(self, step: int) -> None:
         """``step`` is over (stored or not): arm for the next."""
@@ -464,7 +561,7 @@ class Cockpit:
         skipped = [q for q in active if q.request(step)]
         for q in skipped:
             if isinstance(q, TwoStepQuantity):
-                q.pending = None  # its start would end after two updates
+                _forget_pending(q)  # its start would end after two updates
         warnings.warn(
             f"Step {step}: the cockpit captured no forward pass of its model that this step's "
             f"loss was backpropagated through, so {', '.join(q.name for q in skipped)} are not "
@@ -539,6 +636,23 @@ class Cockpit:
             "outputs": {q.name: q.output.describe() for q in self.quantities},
             "world_size": self._world.size,
         }
+
+
+def _forget_pending(quantity: TwoStepQuantity) -> None:
+    """Drop ``quantity``'s pending start, and with it every hook the start holds (Alpha's on
+    the optimizer's step: left there, it would fire at the user's ``optimizer.step()`` and
+    remove itself while the optimizer iterates over its hooks)."""
+    if quantity.pending is not None:
+        _release_hooks([quantity.pending])
+    quantity.pending = None
+
+
+def _release_hooks(pending: list) -> None:
+    """Remove the hooks that the (step, start) pairs of ``pending`` hold."""
+    for _, start in pending:
+        for held in getattr(start, "__dict__", {}).values():
+            if isinstance(held, RemovableHandle):
+                held.remove()
 
 
 def _uncompiled(model: nn.Module) -> tuple[bool, nn.Module]:

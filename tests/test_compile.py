@@ -55,3 +55,20 @@ def test_a_compiled_model_is_tracked_eagerly_and_runs_compiled_otherwise():
     # steps 1 and 3 ran the compiled graph, compiled once
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert torch._dynamo.eval_frame._stance.stance == "default"  # restored by close()
+
+
+def test_a_cockpit_dropped_without_close_restores_the_compiler_stance_and_its_hooks():
+    """(issue 28, item 7) The stance is set on construction for the first step; a cockpit
+    garbage-collected without close() lets go of it, and of the capture's global hook."""
+    import gc
+
+    import torch._dynamo
+
+    model = nn.Sequential(nn.Linear(4, 3))
+    hooks = len(torch.nn.modules.module._global_forward_hooks)
+    cockpit = Cockpit(torch.compile(model), [quantities.NormTest()])
+    assert torch._dynamo.eval_frame._stance.stance == "force_eager"
+    del cockpit
+    gc.collect()
+    assert torch._dynamo.eval_frame._stance.stance == "default"
+    assert len(torch.nn.modules.module._global_forward_hooks) == hooks

@@ -132,3 +132,62 @@ def test_full_cockpit_survives_random_faults_and_stays_exact():
             assert values["HessTrace"] == pytest.approx(traces, rel=1e-8, abs=1e-12)
             checked += 1
     assert checked >= STEPS // 20
+
+
+# The third audit's faults (issue 28): besides exceptions and NaN gradients, gradients not
+# finite after a scaled backward (skipped by the cockpit), optimizer steps the user skips,
+# and short accumulations (2 of 3 declared micro-batches, then the next step begins).
+FAULTS = ["clean"] * 6 + ["raise before", "raise after", "nan", "nan scaled", "skip", "short"]
+
+
+def faulty_step(cockpit, model, X, y, loss_fn, opt, step, fault):
+    """One step with ``fault``; the optimizer steps unless the fault skips it."""
+    k = 3 if fault == "short" else 2 if step % 3 == 0 else 1
+    parts = 2 if fault == "short" else k
+    for i, (Xi, yi) in enumerate(zip(X.chunk(parts), y.chunk(parts))):
+        losses = loss_fn(model(Xi), yi)
+        info = {"loss": losses.mean(), "individual_losses": losses, "optimizer": opt}
+        info["batch_size"] = len(losses)
+        protocol = {} if k == 1 else {"micro_batch": i, "micro_batches": k}
+        scale = (2.0 if fault == "nan scaled" else 1.0) / parts
+        try:
+            with cockpit(step, info, **protocol):
+                if fault == "raise before" and i == parts - 1:
+                    raise Injected
+                (info["loss"] * scale).backward(create_graph=cockpit.create_graph(step))
+                if fault.startswith("nan"):
+                    next(model.parameters()).grad.fill_(float("nan"))
+                if fault == "raise after" and i == parts - 1:
+                    raise Injected
+        except Injected:
+            break
+    if fault in ("clean", "short"):
+        opt.step()  # never raises because of the cockpit
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("architecture, optimizer", [("mlp", "SGD"), ("transformer", "Adam")])
+def test_every_fault_of_the_third_audit_leaves_the_optimizer_and_the_values(
+    architecture, optimizer
+):
+    model, X, y, loss_fn = getattr(models, architecture)(n=6)
+    opt = getattr(torch.optim, optimizer)(model.parameters(), lr=0.01)
+    cockpit = Cockpit(model, configuration("full"))
+    generator = torch.Generator().manual_seed(0)
+    checked = 0
+    for step in range(STEPS):
+        fault = FAULTS[int(torch.randint(len(FAULTS), (1,), generator=generator))]
+        permutation = torch.randperm(len(X), generator=generator)
+        Xs, ys = X[permutation], y[permutation]
+        expected = gradient_quantities(model, Xs, ys, loss_fn) if fault == "clean" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the faults' own warnings
+            faulty_step(cockpit, model, Xs, ys, loss_fn, opt, step, fault)
+        if expected is not None:
+            values = cockpit.get_output()[step]
+            for name in ("NormTest", "InnerTest"):
+                assert values[name] == pytest.approx(expected[name], rel=1e-10)
+            checked += 1
+    cockpit.close()
+    assert checked >= STEPS // 3

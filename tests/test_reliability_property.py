@@ -3,14 +3,16 @@ nothing, or stores the values its definitions give (docs/cockpit.md, section 4).
 
 from __future__ import annotations
 
+import warnings
+
 import models
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from reference import gradient_quantities
 
-from avionics import Cockpit, quantities, read_run
+from avionics import Cockpit, quantities, read_run, schedules
 
 
 def good_info(losses, opt):
@@ -111,3 +113,65 @@ def test_a_step_raises_before_any_change_or_stores_correct_values(tmp_path_facto
     run = read_run(log)
     for step, values in stored.items():
         assert run.steps[step]["NormTest"] == pytest.approx(values["NormTest"], rel=1e-12)
+
+
+# The faults of a step (issue 28, item 1): gradients not finite after an unscaled backward
+# (values computed, the optimizer step skipped by the user), after a scaled one (the cockpit
+# skips the values, as GradScaler skips the step), and an exception inside the block.
+FAULTS = ["none", "nan", "nan scaled", "raises"]
+
+
+def faulty_step(cockpit, model, X, y, loss_fn, opt, step, fault, k):
+    """One optimizer step of ``k`` micro-batches with ``fault``; the optimizer steps unless
+    the gradients are not finite. Returns whether the block raised."""
+    for i, (Xi, yi) in enumerate(zip(X.chunk(k), y.chunk(k))):
+        losses = loss_fn(model(Xi), yi)
+        info = good_info(losses, opt)
+        try:
+            with cockpit(step, info, micro_batch=i, micro_batches=k):
+                (info["loss"] * (2.0 if fault == "nan scaled" else 1.0)).backward()
+                if fault.startswith("nan"):
+                    model[0].weight.grad.fill_(float("nan"))
+                if fault == "raises" and i == k - 1:
+                    raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            opt.zero_grad()
+            return True
+    if not fault.startswith("nan"):
+        opt.step()  # must never raise because of the cockpit
+    opt.zero_grad()
+    return False
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    faults=st.lists(st.sampled_from(FAULTS), min_size=1, max_size=4),
+    adam=st.booleans(),
+    k=st.sampled_from([1, 2]),
+)
+@example(faults=["nan", "nan scaled", "raises"], adam=False, k=1)  # the audit's sequences
+@example(faults=["nan", "raises", "nan scaled"], adam=True, k=2)
+def test_faulty_steps_never_break_the_optimizer_and_the_next_step_is_exact(faults, adam, k):
+    model, X, y, loss_fn = models.mlp(n=4)
+    opt = (torch.optim.Adam if adam else torch.optim.SGD)(model.parameters(), lr=0.01)
+    every = schedules.linear(1)
+    used = [quantities.Loss(), quantities.NormTest(every), quantities.Alpha(every)]
+    used.append(quantities.UpdateSize(every))
+    cockpit = Cockpit(model, used)
+    step = 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the non-finite steps' warnings
+        for fault in [*faults, "none"]:
+            faulty_step(cockpit, model, X, y, loss_fn, opt, step, fault, k)
+            # a start's hooks on the optimizer: at most the one of the last tracked step
+            assert len(opt._optimizer_step_pre_hooks) + len(opt._optimizer_step_post_hooks) <= 2
+            step += 1
+        expected = gradient_quantities(model, X, y, loss_fn)
+        loss = float(loss_fn(model(X), y).mean())
+        faulty_step(cockpit, model, X, y, loss_fn, opt, step, "none", k)
+    values = cockpit.get_output()[step]
+    assert values["NormTest"] == pytest.approx(expected["NormTest"], rel=1e-9)
+    assert values["Loss"] == pytest.approx(loss, rel=1e-12)
+    # the clean step before it: its two-step values, ended by this one
+    assert {"Alpha", "UpdateSize"} <= set(cockpit.get_output()[step - 1])
+    cockpit.close()

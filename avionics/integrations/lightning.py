@@ -265,11 +265,12 @@ def micro_batch(trainer: pl.Trainer) -> dict:
     k = trainer.accumulate_grad_batches
     if k == 1 or not trainer.lightning_module.automatic_optimization:
         return {}
-    loop = trainer.fit_loop.epoch_loop
-    i = (loop.batch_progress.current.ready - 1) % k  # this batch's place in its group
-    last = not loop._should_accumulate()
-    micro_batches = i + 1 if last else k
-    return {} if micro_batches == 1 else {"micro_batch": i, "micro_batches": micro_batches}
+    batch = trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1  # in the epoch
+    i = batch % k  # this batch's place in its group
+    # an epoch's last group has its remainder of batches (every micro-batch of a step
+    # declares the same number; an epoch of unknown length: the cockpit skips a short step)
+    micro_batches = min(k, trainer.num_training_batches - (batch - i))
+    return {} if micro_batches == 1 else {"micro_batch": i, "micro_batches": int(micro_batches)}
 
 
 class LoggerSink:

@@ -201,6 +201,20 @@ class CockpitMixin:
         self._step_sequences: int | None = None  # S: the sequences of this optimiser step
         self._micro_batch = 0
 
+    def train(self, *args, **kwargs):
+        """``Trainer.train``; a second call on this trainer is refused before it starts (it
+        would count the steps from 0 again, which its cockpit has tracked)."""
+        resumed = kwargs.get("resume_from_checkpoint", args[0] if args else None)
+        if self.state.global_step > 0 and not resumed:
+            raise RuntimeError(
+                f"CockpitTrainer.train() ran before on this trainer (up to step "
+                f"{self.state.global_step}): a second train() counts the steps from 0 again, "
+                "which its cockpit has already tracked. Build a new CockpitTrainer for another "
+                "run (with another cockpit_log=), or continue this one with "
+                "train(resume_from_checkpoint=...) from a checkpoint and a larger max_steps."
+            )
+        return super().train(*args, **kwargs)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer's micro-batches of one optimiser step; counts their sequences."""
         batch_samples, num_items_in_batch = super().get_batch_samples(

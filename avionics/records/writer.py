@@ -235,6 +235,8 @@ class RunWriter:
             self._file.close()
             raise
         _OPEN_WRITERS.add(self)
+        # the lines that start a recreated log (see _follow_deletion)
+        self._header = [header.lstrip(b"\n")]
         self._append(header)
 
     def write(self, step: int, values: dict) -> None:
@@ -251,7 +253,9 @@ class RunWriter:
             raise TypeError(
                 f"metadata must be a dict of JSON-ready values, got a {type(metadata).__name__}."
             )
-        self._append(encode_line({"metadata_update": metadata}))
+        line = encode_line({"metadata_update": metadata})
+        self._header.append(line)
+        self._append(line)
 
     def close(self) -> None:
         """Write what is still held in memory, close the log file (releasing its lock);
@@ -305,10 +309,40 @@ class RunWriter:
             )
         self._error = error
 
+    def _follow_deletion(self) -> None:
+        """Where the log file (or its folder) was deleted while open, recreate it, with its
+        metadata lines first, and write there from now on, with a warning: the open file,
+        unlinked, would take every later line unseen. Raises the OSError of a recreation
+        that fails (the lines are then held in memory, as for a full disk)."""
+        try:
+            on_disk = os.stat(self.path)
+        except FileNotFoundError:
+            on_disk = None
+        opened = os.fstat(self._file.fileno())
+        if on_disk is not None and (on_disk.st_ino, on_disk.st_dev) == (
+            opened.st_ino,
+            opened.st_dev,
+        ):
+            return
+        file = _open_for_append(self.path)
+        _lock(file, self.path)
+        self._file.close()
+        self._file = file
+        self._pending.extendleft(reversed(self._header))  # whole lines, in the new file
+        self._pending_sent = 0
+        warnings.warn(
+            f"the run log {self.path} was deleted while the run wrote it (its file or folder "
+            "was removed): recreated it, with the run's metadata; the records written before "
+            "the deletion are lost with it, the later ones are written there. Keep the run "
+            "directory until training ends.",
+            stacklevel=5,
+        )
+
     def _write_pending(self) -> OSError | None:
         """Write the pending lines in order, finishing a line cut short by a short write or
         an error; return the ``OSError`` that stopped it (those lines stay pending), or None."""
         try:
+            self._follow_deletion()
             while self._pending:
                 line = self._pending[0]
                 written = self._file.write(memoryview(line)[self._pending_sent :])

@@ -332,7 +332,52 @@ def tracked_parameters(model: nn.Module, params) -> tuple[list[nn.Parameter], li
                     f"Parameter '{named[id(p)]}' does not require grad, so it has no gradient "
                     "to track. Set requires_grad=True or leave it out of params."
                 )
+    for p in chosen:
+        if p.is_complex():
+            raise ValueError(
+                f"Parameter '{named[id(p)]}' is complex ({p.dtype}): the cockpit's "
+                "quantities are defined for real parameters. Leave it out of params=, or "
+                "track a real view of it (torch.view_as_real) as the model's parameter."
+            )
     return chosen, [named[id(p)] for p in chosen]
+
+
+def check_model_unchanged(
+    step: int, model: nn.Module, params: list, names: list[str], every: bool, sharded: bool
+) -> None:
+    """The tracked parameters are still the model's, under their names, requiring grad (and,
+    with ``every``, i.e. params=None, the only parameters that require grad): raises on
+    entering a step, before anything changes, naming what changed. Under FSDP (``sharded``)
+    only whether they require grad: between its forward and backward the root module holds
+    unsharded tensors in place of its parameters."""
+    remedy = (
+        "build a new Cockpit on the model as it is now (its quantities start afresh), or "
+        "change the model only before building the cockpit"
+    )
+    now = dict(zip(names, params)) if sharded else dict(model.named_parameters())
+    every = every and not sharded
+    changed = []
+    for name, p in zip(names, params):
+        current = now.get(name)
+        if current is None:
+            changed.append(f"'{name}' is no longer a parameter of the model")
+        elif current is not p:
+            changed.append(f"'{name}' is another tensor (its module was replaced)")
+        elif not p.requires_grad:
+            changed.append(f"'{name}' no longer requires grad (frozen)")
+    if every:
+        tracked = {id(p) for p in params}
+        changed += [
+            f"'{name}' is a new parameter that requires grad"
+            for name, p in now.items()
+            if p.requires_grad and id(p) not in tracked and name not in names
+        ]
+    if changed:
+        raise ValueError(
+            f"Step {step}: the model changed after the cockpit was built: "
+            f"{'; '.join(changed)}. The cockpit tracks the parameters it was built with: "
+            f"{remedy}."
+        )
 
 
 def is_step(step) -> bool:

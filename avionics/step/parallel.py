@@ -220,8 +220,10 @@ def sharded(model: nn.Module, quantities: list) -> bool:
             "parameters the cockpit cannot name. Shard it with "
             "torch.distributed.fsdp.fully_shard instead, or use DistributedDataParallel."
         )
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
+    if not distributed:
         return False
+    _check_fsdp_placements(model, distributed)
     unsupported = [q.name for q in quantities if q.name not in SHARDED_QUANTITIES]
     if unsupported:
         raise TypeError(
@@ -232,3 +234,76 @@ def sharded(model: nn.Module, quantities: list) -> bool:
             "DistributedDataParallel."
         )
     return True
+
+
+def _check_fsdp_placements(model: nn.Module, distributed: list) -> None:
+    """The DTensor parameters are FSDP's (``fully_shard``: each Shard(0) over a mesh of one
+    dimension); tensor parallelism (``parallelize_module``: Replicate, Shard(1), or Shard(0)
+    without fully_shard) and HSDP's two-dimensional meshes are refused by name: their
+    gradients are not the processes' batches' (a replicated parameter's would count twice)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import Shard
+
+    remedy = (
+        "The cockpit supports FSDP's sharding only (torch.distributed.fsdp.fully_shard, "
+        "Shard(0) over one mesh dimension): train under fully_shard alone or "
+        "DistributedDataParallel, or leave the cockpit out of a tensor-parallel run."
+    )
+    for name, p in distributed:
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise TypeError(
+                f"Cockpit: the parameter '{name}' is a DTensor with placements "
+                f"{tuple(p.placements)} over a mesh of {p.device_mesh.ndim} dimension(s): "
+                f"tensor parallelism (parallelize_module) or HSDP is not supported. {remedy}"
+            )
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        name, p = distributed[0]
+        raise TypeError(
+            f"Cockpit: the parameter '{name}' is a DTensor (placements {tuple(p.placements)}) "
+            f"but no module of the model is sharded by fully_shard: tensor parallelism "
+            f"(parallelize_module, distribute_module) is not supported. {remedy}"
+        )
+
+
+class Agreement:
+    """Whether every process got through micro-batch ``index`` of ``step``'s block: each
+    process takes part in the same small collectives (a flag per process, summed), once at its
+    backward's first gradient of a tracked parameter (before DDP's collectives of that
+    backward) and once when its block ends, normally or by an exception; a process that has
+    learnt of a failure takes part in no further one. So the processes still running learn
+    which rank raised, at which step, instead of a collective mismatch."""
+
+    def __init__(self, step: int, index: int, params: list, world: World):
+        self.step, self.index, self.world = step, index, world
+        self.device = local(params[0]).device
+        self.failed: list[int] | None = None  # the ranks that raised, once learnt
+        self.backward_agreed = False
+
+    def agree(self, raised: bool) -> list[int]:
+        """The ranks whose block raised (this one's ``raised`` included); [] where none."""
+        if self.failed is not None:
+            return self.failed
+        mine = torch.tensor([float(raised)], dtype=torch.float64, device=self.device)
+        flags = all_processes(mine, self.world)[:, 0].tolist()
+        failed = [rank for rank, flag in enumerate(flags) if flag]
+        if failed:
+            self.failed = failed
+        return failed
+
+    def first_gradient(self, grad: Tensor) -> None:
+        """A hook on each tracked parameter: at the backward's first gradient of one (before
+        DDP's hook of that parameter can start an all-reduce), raise if a process failed."""
+        if not self.backward_agreed:
+            self.backward_agreed = True
+            self.raise_if_failed(self.agree(False))
+
+    def raise_if_failed(self, failed: list[int]) -> None:
+        if failed:
+            raise RuntimeError(
+                f"Step {self.step}, micro-batch {self.index}: the process(es) of rank "
+                f"{', '.join(map(str, failed))} raised inside their `with cockpit(...)` block "
+                f"(rank {self.world.rank} here; see that process's traceback for the error). "
+                "The step is abandoned on every process, nothing stored. Under data "
+                "parallelism every process runs every tracked step: handle an error on every "
+                "process alike (stop the run, or retry the step on all of them)."
+            )

@@ -87,13 +87,15 @@ class Part:
 
 @dataclass
 class Accumulation:
-    """The micro-batches of ``step`` seen so far: 0, ..., ``index`` of ``k``."""
+    """The micro-batches of ``step`` seen so far: 0, ..., ``index`` of ``k``, and what the
+    capture of the next one's forward is armed for."""
 
     step: int
     k: int
     index: int
     active: list
     parts: list[Part]
+    request: Request
 
 
 @dataclass
