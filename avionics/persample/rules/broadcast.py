@@ -92,6 +92,8 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
                 handles.append(node.register_prehook(_accumulator(call, i, scale)))
     for leaf in leaves:
         uses = _uses((leaf, 0), consumers, leaf.variable.shape)
+        if uses and any(_reduces_over_batch(scale, axis, n) for _, scale, _, _ in uses):
+            uses = None  # (a product with a statistic of the batch: the generic rule says so)
         for node, scale, views, shape in uses or ():
             per_sample = _per_sample(scale, views, shape, axis, n)
             handles.append(node.register_prehook(_parameter_accumulator(last, leaf, per_sample)))
@@ -230,6 +232,39 @@ def _broadcast_scale(node, position: int) -> float | Tensor | None:
         other = node._saved_other if position == 0 else node._saved_self
         return other if isinstance(other, Tensor) else None
     return None
+
+
+# Backward nodes of reductions; those with a dim argument reduce over the batch when it holds
+# the batch axis (saved as unsigned 64-bit integers where negative).
+_REDUCTIONS = {"MeanBackward0", "SumBackward0", "MeanBackward1", "SumBackward1"}
+_REDUCTIONS |= {"VarBackward0", "StdBackward0", "VarMeanBackward0", "StdMeanBackward0"}
+
+
+def _reduces_over_batch(t, axis: int, n: int, budget: int = 256) -> bool:
+    """Whether the graph that made ``t`` (a product's other operand) holds a reduction over
+    the batch axis of a tensor with ``n`` samples there (``h - h.mean(0)``), among its first
+    ``budget`` nodes: such a product couples the samples, and its closed form would hide it
+    (the generic rule re-runs the forward per sample, which shows the coupling)."""
+    if not isinstance(t, Tensor) or t.grad_fn is None:
+        return False
+    seen, frontier = set(), [t.grad_fn]
+    while frontier and len(seen) < budget:
+        node = frontier.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if node.name() in _REDUCTIONS:
+            sizes = getattr(node, "_saved_self_sym_sizes", None)
+            if sizes is None and isinstance(getattr(node, "_saved_self", None), Tensor):
+                sizes = node._saved_self.shape
+            dims = getattr(node, "_saved_dim", None)
+            if sizes is not None and len(sizes) > axis and sizes[axis] == n:
+                if dims is None or axis in {
+                    (d - 2**64 if d >= 2**63 else d) % len(sizes) for d in dims
+                }:
+                    return True
+        frontier += [next_node for next_node, _ in node.next_functions]
+    return False
 
 
 def _accumulator(call, index: int, scale: float):
