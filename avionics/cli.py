@@ -71,7 +71,7 @@ def _check_output(path: Path, kind: str, what: str, option: str) -> None:
 def _check_image(path: Path, what: str, option: str) -> None:
     """:func:`_check_output` for an image file, which must also name a format the dashboard
     saves."""
-    from avionics.dashboard.figure import FORMATS
+    from avionics.dashboard.style import FORMATS
 
     _check_output(path, "file", what, option)
     if path.suffix.lower() not in FORMATS:

@@ -16,10 +16,9 @@ from avionics.dashboard.gradients import (
 )
 from avionics.dashboard.performance import hyperparameter_panel, performance_panel
 from avionics.dashboard.step_size import alpha_panel, distance_panel, grad_norm_panel
-from avionics.dashboard.style import GROUP_COLORS
+from avionics.dashboard.style import FORMATS, GROUP_COLORS, group_frame, save
 from avionics.records.reader import as_run
 
-FORMATS = (".png", ".pdf", ".svg")
 COLUMNS = (
     ("STEP SIZE", (alpha_panel, distance_panel, grad_norm_panel)),
     ("GRADIENTS", (gradient_tests_panel, hist1d_panel, gradient_hist2d_panel)),
@@ -74,17 +73,6 @@ def substitute_panels(run) -> list:
     return [panels[key] for key in SUBSTITUTES if _recorded(run, key.split(" ")[0])]
 
 
-def group_frame(fig: Figure, spec, name: str, color) -> None:
-    """The coloured background and bold title of a group of instruments."""
-    frame = fig.add_subplot(spec)
-    frame.set_facecolor((*color, 0.6))
-    frame.set_title(name, fontweight="bold", fontsize="x-large")
-    frame.set_xticks([])
-    frame.set_yticks([])
-    for spine in frame.spines.values():
-        spine.set_visible(False)
-
-
 def default_title(run) -> str:
     """``Cockpit: <run name> (<optimizer>), steps a-b``."""
     name = run.path.parent.name if run.path and run.path.name == "log.jsonl" else None
@@ -92,19 +80,6 @@ def default_title(run) -> str:
     optimizer = (run.metadata.get("optimizer") or {}).get("name")
     span = f", steps {min(run.steps)}-{max(run.steps)}" if run.steps else ", no steps yet"
     return f"Cockpit: {name}" + (f" ({optimizer})" if optimizer else "") + span
-
-
-def save(fig: Figure, path: str | os.PathLike) -> Path:
-    """Save ``fig`` as PNG, PDF or SVG, chosen by the file suffix."""
-    path = Path(path)
-    if path.suffix.lower() not in FORMATS:
-        raise ValueError(
-            f"Cannot save a dashboard as {path.name!r}: use a file name ending in "
-            f"{', '.join(FORMATS)}."
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100 if path.suffix.lower() == ".png" else None)
-    return path
 
 
 def plot(source, path: str | os.PathLike | None = None, title: str | None = None) -> Figure:

@@ -21,9 +21,17 @@ from matplotlib.axes import Axes
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
 
-from avionics.dashboard.figure import FORMATS, group_frame, save
 from avionics.dashboard.heatmap import NON_FINITE, label_rows, step_edges
-from avionics.dashboard.style import GREEN, STEP, TITLE, empty_panel, style_panel
+from avionics.dashboard.style import (
+    FORMATS,
+    GREEN,
+    STEP,
+    TITLE,
+    empty_panel,
+    group_frame,
+    save,
+    style_panel,
+)
 from avionics.diagnosis.layers import RATIO_RANGE
 from avionics.records.reader import as_run
 from avionics.records.series import LayerSeries, per_parameter, series

@@ -24,18 +24,20 @@ import textwrap
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
-from avionics.dashboard.figure import FORMATS, group_frame, save
 from avionics.dashboard.generic import generic_panel, own_quantities
 from avionics.dashboard.gradients import hist2d_panel
 from avionics.dashboard.heatmap import heatmap_panel, layers
 from avionics.dashboard.style import (
     BLUE,
+    FORMATS,
     GREEN,
     GREY,
     ORANGE,
     STEP,
     TITLE,
     empty_panel,
+    group_frame,
+    save,
     series_plot,
     style_panel,
 )

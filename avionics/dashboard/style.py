@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
 from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 from matplotlib.ticker import SymmetricalLogLocator
 
 from avionics.records.series import series
@@ -155,3 +159,31 @@ def twin_panel(ax: Axes, run, title: str, left: tuple, right: tuple) -> Axes | N
         twin.text(0.98, 0.9, f"no {r_name} data", transform=ax.transAxes, ha="right")
     ax.set_xlim(*step_limits(np.concatenate([l_steps, r_steps])))
     return twin
+
+
+# The file types a dashboard is saved as.
+FORMATS = (".png", ".pdf", ".svg")
+
+
+def group_frame(fig: Figure, spec, name: str, color) -> None:
+    """The coloured background and bold title of a group of instruments."""
+    frame = fig.add_subplot(spec)
+    frame.set_facecolor((*color, 0.6))
+    frame.set_title(name, fontweight="bold", fontsize="x-large")
+    frame.set_xticks([])
+    frame.set_yticks([])
+    for spine in frame.spines.values():
+        spine.set_visible(False)
+
+
+def save(fig: Figure, path: str | os.PathLike) -> Path:
+    """Save ``fig`` as PNG, PDF or SVG, chosen by the file suffix."""
+    path = Path(path)
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(
+            f"Cannot save a dashboard as {path.name!r}: use a file name ending in "
+            f"{', '.join(FORMATS)}."
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100 if path.suffix.lower() == ".png" else None)
+    return path

@@ -11,8 +11,7 @@ from matplotlib.figure import Figure
 from synthetic import synthetic_run, write_run
 
 from avionics.dashboard import plot
-from avionics.dashboard.figure import save
-from avionics.dashboard.style import ema
+from avionics.dashboard.style import ema, save
 from avionics.records import RunWriter, read_run
 from avionics.records.series import series
 

@@ -9,8 +9,8 @@ import pytest
 from matplotlib.colors import LogNorm, SymLogNorm
 from matplotlib.figure import Figure
 
-from avionics.dashboard.figure import save
 from avionics.dashboard.heatmap import MAX_LABELS, heatmap_panel, label_rows, step_edges
+from avionics.dashboard.style import save
 from avionics.quantities import GradNorm
 from avionics.records import Run
 
