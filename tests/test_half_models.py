@@ -21,7 +21,10 @@ Tolerances (:data:`RTOL`, :data:`MOVED`), per dtype:
   PreconditionedSharpness (Hessian-vector products through the double backward of the 16-bit
   graph; the preconditioner of gradient coordinates below float16's normal range): 3e-2 in
   float16, 6e-2 in bfloat16 (measured worst: 1.7e-2 and 2.9e-2, PreconditionedSharpness;
-  HessMaxEV within 6e-4 and 5e-3);
+  HessMaxEV within 6e-4 and 5e-3), except PreconditionedSharpness in bfloat16, 0.15: at step
+  0 Adam's preconditioner sqrt(v) + eps is |g| itself, whose small coordinates carry
+  bfloat16's relative error 4e-3 into 1 / P, and the transformer's value moves with the
+  order of the 16-bit sums (measured: 2.9e-2 with 2 torch threads, 0.11 with 1);
 * histogram counts: the same total, and at most MOVED of the elements in another bin (an
   element within rounding of a bin edge lands on either side): 2 % in float16, 5 % in
   bfloat16 (measured worst: 0.6 % and 1.6 %);
@@ -48,6 +51,8 @@ RTOL = {torch.float16: 5e-3, torch.bfloat16: 4e-2}
 # the quantities of the second derivative (through the double backward of the 16-bit graph)
 SECOND_ORDER = {"HessMaxEV", "HessTrace", "PreconditionedSharpness"}
 SECOND_ORDER_RTOL = {torch.float16: 3e-2, torch.bfloat16: 6e-2}
+# (PreconditionedSharpness in bfloat16: see the module docstring)
+PRECONDITIONED_BFLOAT16_RTOL = 0.15
 MOVED = {torch.float16: 0.02, torch.bfloat16: 0.05}
 HALF = [pytest.param(torch.float16, id="float16"), pytest.param(torch.bfloat16, id="bfloat16")]
 NOT_COMPARED = {"TICDiag"}  # (ill-conditioned: module docstring)
@@ -133,6 +138,8 @@ def mismatches(ours: dict, expected: dict, dtype: torch.dtype) -> list[str]:
             for path, v in theirs.items():
                 w = mine[path]
                 rtol = (SECOND_ORDER_RTOL if name in SECOND_ORDER else RTOL)[dtype]
+                if name == "PreconditionedSharpness" and dtype == torch.bfloat16:
+                    rtol = PRECONDITIONED_BFLOAT16_RTOL
                 if isinstance(v, float) and math.isnan(v):  # (undefined in both: equal)
                     if not (isinstance(w, float) and math.isnan(w)):
                         found.append(f"step {step} {name}{list(path)}: {w!r}, not nan")
