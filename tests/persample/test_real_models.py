@@ -119,9 +119,9 @@ PRESET_RUNS = [
 ]
 
 
-def first_step(cockpit, model, X, y, loss_fn, optimizer) -> dict:
-    """Step 0 tracked (its backward with the graph the cockpit asks for, no update): its
-    values."""
+def tracked_backward(cockpit, step, model, X, y, loss_fn, optimizer) -> None:
+    """``step`` tracked: the forward, and its backward with the graph the cockpit asks for
+    (no update)."""
     losses = loss_fn(model(X), y)
     loss = losses.mean()
     info = {
@@ -130,8 +130,13 @@ def first_step(cockpit, model, X, y, loss_fn, optimizer) -> dict:
         "batch_size": len(losses),
         "optimizer": optimizer,
     }
-    with cockpit(0, info):
-        loss.backward(create_graph=cockpit.create_graph(0))
+    with cockpit(step, info):
+        loss.backward(create_graph=cockpit.create_graph(step))
+
+
+def first_step(cockpit, model, X, y, loss_fn, optimizer) -> dict:
+    """Step 0 tracked (:func:`tracked_backward`): its values."""
+    tracked_backward(cockpit, 0, model, X, y, loss_fn, optimizer)
     return cockpit.get_output()[0]
 
 
@@ -299,16 +304,7 @@ def two_tracked_steps(model, X, y, loss_fn, preset: str) -> dict:
     cockpit = Cockpit(model, quantities=configuration(preset))
     for step in range(2):
         other(X)
-        losses = loss_fn(model(X), y)
-        loss = losses.mean()
-        info = {
-            "loss": loss,
-            "individual_losses": losses,
-            "batch_size": len(losses),
-            "optimizer": optimizer,
-        }
-        with cockpit(step, info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        tracked_backward(cockpit, step, model, X, y, loss_fn, optimizer)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     cockpit.close()
