@@ -373,7 +373,7 @@ class Cockpit:
             if entry.single:
                 graph = any(q.create_graph for q in entry.active)
                 several = self._world.size > 1
-                combined = one_batch(parts[0], self.params, self._engine, graph, several)
+                combined = one_batch(parts[0], self.params, graph, several)
             else:
                 combined = accumulated(parts, self.params, self._engine)
             values = self._values(entry, parts, combined)

@@ -48,6 +48,7 @@ def accumulated(parts: list[Part], params: list, engine) -> Combined:
             MicroBatch(part_calls, part.info["individual_losses"], part.n / n)
             for part_calls, part in zip(per_part, parts)
         ]
+        # (in float32 before the merge, so that each micro-batch's factor is applied in it)
         casts = [in_float32(part_calls, engine) for part_calls in per_part]
         cast = next((c for c in casts if c is not None), None)
         calls = merged_calls(per_part, [part.n for part in parts], factors)

@@ -15,9 +15,7 @@ from torch import Tensor
 from avionics.distributed import World
 from avionics.step.precision import (
     all_finite,
-    check_rtol,
     detached_losses,
-    in_float32,
     unscaled,
 )
 from avionics.step.values import Batch, Combined, Part
@@ -55,7 +53,7 @@ def _store(part: Part, k: int, copy: bool):
     return store
 
 
-def one_batch(part: Part, params: list, engine, graph: bool, several: bool) -> Combined:
+def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
     """The step's one batch: its loss, gradients (the backward scale c divided out; with
     ``graph`` also with their graph, for the curvature quantities) and captured calls.
     ``several``: under data parallelism, where ``p.grad`` may hold DDP's average."""
@@ -66,10 +64,8 @@ def one_batch(part: Part, params: list, engine, graph: bool, several: bool) -> C
     if raw is None or not several:
         raw = [local(p.grad).detach() if p.grad is not None else None for p in params]
     gradients = [unscaled(g, c) for g in raw]
-    calls, cast = None, None
-    if part.capture is not None:
-        calls = part.capture.calls_by_module()
-        cast = in_float32(calls, engine)
+    # (the engine casts captured 16-bit tensors to float32 itself, with the check's rtol)
+    calls = part.capture.calls_by_module() if part.capture is not None else None
     return Combined(
         single=True,
         scale=c,
@@ -82,7 +78,7 @@ def one_batch(part: Part, params: list, engine, graph: bool, several: bool) -> C
         # a mean-reduced loss backpropagates c dl_n/dout / N: the factor N / c undoes it
         factor=None if part.n is None else (part.n if part.reduction == "mean" else 1) / c,
         check=part.gradients,
-        check_rtol=check_rtol(cast),
+        check_rtol=None,
         unsynced=raw,
     )
 
