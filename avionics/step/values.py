@@ -19,12 +19,13 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Batch:
     """The step's batch over every process: the loss as reduced, N (None when unknown), N_r
-    per process, and whether every process's loss is finite."""
+    per process, and whether every process's loss is finite (None on one process until it is
+    read, with the backward's scale)."""
 
     loss: Tensor
     size: int | None
     sizes: tuple
-    finite: bool
+    finite: bool | None
 
 
 @dataclass
@@ -70,12 +71,13 @@ class Part:
     graph: list[Tensor | None] | None = None
     loss_gradient: Tensor | None = None
 
-    def scale(self) -> float:
+    def scale(self, read: float | None = None) -> float:
         """c: the backward was of c * info["loss"] (1 where no gradient reached the loss, as
-        in a backward of another tensor)."""
+        in a backward of another tensor); ``read``: its value as read with the step's other
+        numbers (else it is read here)."""
         if self.loss_gradient is None:
             return 1.0
-        c = float(self.loss_gradient.reshape(()))
+        c = float(self.loss_gradient.reshape(())) if read is None else read
         if not c > 0:
             raise ValueError(
                 f"The backward was of {c:g} * info['loss']: backpropagate a positive multiple "
@@ -104,8 +106,9 @@ class Combined:
     :func:`avionics.step.accumulation.accumulated`): the local loss, N, per-sample losses and
     gradients (of the loss itself: the backward scale divided out), the gradients with their
     graph, the captured calls and their output-gradient factor, the engine check's gradients
-    (``check`` times ``factor`` is sum_n g_n) and its tolerance, and the gradients as
-    backpropagated (what DDP would average)."""
+    (``check`` times ``factor`` is sum_n g_n) and its tolerance, the gradients as
+    backpropagated (what DDP would average), and, where they were read with the scale (one
+    batch on one process), whether the loss and the gradients are finite."""
 
     single: bool
     scale: float
@@ -121,6 +124,8 @@ class Combined:
     unsynced: list[Tensor | None]
     micro_batches: list[MicroBatch] | None = None
     scaled: bool | None = None
+    loss_finite: bool | None = None
+    gradients_finite: bool | None = None
 
     def __post_init__(self):
         if self.scaled is None:
