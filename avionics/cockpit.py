@@ -41,7 +41,13 @@ from avionics.quantities.loss import Loss
 from avionics.records.sink import Sink
 from avionics.step import checks
 from avionics.step.accumulation import accumulated
-from avionics.step.batch import OneProcess, one_batch, record_gradients
+from avionics.step.batch import (
+    OneProcess,
+    one_batch,
+    record_gradients,
+    settled,
+    with_finiteness,
+)
 from avionics.step.compute import compute
 from avionics.step.output import (
     LEARNING_RATE,
@@ -312,10 +318,12 @@ class Cockpit:
         if entry.single:
             entry.batch = self._processes.batch(entry.loss, entry.reduction, entry.n)
             self._processes.check_batch(step, entry.batch)
-            entry.finite = entry.batch.finite
+            if checks.reads_forward(step, active):  # (on a finite loss only)
+                entry.batch = with_finiteness(entry.batch)
+            entry.finite = entry.batch.finite  # (on one process, else read after the backward)
         else:  # decided over every process and micro-batch when the last one ends
             entry.finite = bool(torch.isfinite(entry.loss))
-        if entry.finite:
+        if entry.finite is not False:
             checks.check_loss_graphs(step, info, active, self._capture, self.model)
             checks.validate_forwards(step, info, active, self._capture, self.model, self.params)
 
@@ -332,7 +340,8 @@ class Cockpit:
         if capture is not None:
             capture.disarm()
         single, several = entry.single, self._world.size > 1
-        record = bool(entry.request) and capture is not None and (entry.finite or not single)
+        record = bool(entry.request) and capture is not None
+        record = record and (entry.finite is not False or not single)
         if single and record and (capture is None or not capture.calls):
             entry.active, entry.request = self._without_per_sample(entry.step, entry.active, 5)
             record = False
@@ -397,8 +406,12 @@ class Cockpit:
         batch = entry.batch
         if not entry.single:
             batch = self._processes.batch(combined.loss, entry.reduction, combined.n)
+        batch = settled(batch, combined)
         skipped = None if batch.finite else f"the loss is {float(batch.loss)}"
-        if skipped is None and combined.scaled and not self._processes.finite(combined.gradients):
+        finite = combined.gradients_finite
+        if skipped is None and combined.scaled and finite is None:
+            finite = self._processes.finite(combined.gradients)
+        if skipped is None and combined.scaled and not finite:
             skipped = "its gradients are not finite after a scaled backward (a step "
             skipped += "torch.amp.GradScaler skips)"
         if skipped is not None:

@@ -31,7 +31,8 @@ The projections at t need s, which for most optimizers exists only after ``optim
   stores nothing, a warning says why, and from then on s is measured at the next tracked
   step, the capture kept until then (as for an optimizer without step hooks).
 
-Scalars stay on the device until the fit, which reads them with one host transfer.
+Scalars stay on the device until the fit, which reads them with the step's one host transfer
+(the value is :class:`~avionics.quantities.deferred.Deferred`).
 
 Alpha refers to the mean loss over the batch: for a sum-reduced loss, f is L / N (the mean of
 the per-sample losses), consistent with the derivatives, which are means over samples; alpha
@@ -58,6 +59,7 @@ from avionics.quantities.base import (
     mean_gradient_norms,
     mean_gradient_sq_norm,
 )
+from avionics.quantities.deferred import Deferred
 from avionics.quantities.plain_sgd import plain_sgd_learning_rate
 
 # Replaces a zero variance in the weights 1 / variance of the fit.
@@ -135,12 +137,17 @@ class Alpha(TwoStepQuantity):
         return sums
 
     def start(self, data: StepData) -> _Start:
-        start = _Start.at(data, self._at_optimizer_step)
+        # (read when the optimizer's step runs: the end of the start before, at this step, is
+        # decided on the host when this step is stored)
+        start = _Start.at(data, lambda: self._at_optimizer_step)
         self._plain_sgd = start.captured is None
         return start
 
-    def finish(self, kept: _Start, data: StepData) -> float | None:
+    def finish(self, kept: _Start, data: StepData) -> float | Deferred:
         value = kept.alpha(data)
+        return value.then(self._ended) if isinstance(value, Deferred) else value
+
+    def _ended(self, value: float | None) -> float | None:
         if value is None:  # the parameters changed after optimizer.step()
             self._at_optimizer_step = False
         return value
@@ -193,13 +200,16 @@ class _Start:
         self._hook = None  # on the optimizer's step, while it is awaited
         self._closure_hook = None  # plain SGD: the end of a step that ran the block (closure)
         self._stepped: list[Tensor] | None = None  # the parameters, updated by the step
+        self._at_optimizer_step = None  # whether to measure s when the step returns (asked then)
         self._norms: Tensor | None = None  # their norms when the step returned
         # plain SGD: the gradient's norms, the capture and whether to measure at the step,
         # until optimizer.step() starts
         self._predicted: tuple | None = None
 
     @classmethod
-    def at(cls, data: StepData, at_optimizer_step: bool = True) -> _Start:
+    def at(cls, data: StepData, at_optimizer_step=lambda: True) -> _Start:
+        """The start at ``data``'s step; ``at_optimizer_step()``: whether to measure the update
+        when ``optimizer.step()`` returns (asked when it does)."""
         n, f, var_f = _moments(data.totals["Alpha"], "f", data.batch_size)
         start = cls(data.step, n, f, var_f)
         optimizer = data.optimizer
@@ -234,8 +244,9 @@ class _Start:
             start.params = data.params_copy()
             start.captured = data.captured
             register = getattr(optimizer, "register_step_post_hook", None)
-            if at_optimizer_step and register is not None:
+            if at_optimizer_step() and register is not None:
                 start._stepped = data.params
+                start._at_optimizer_step = at_optimizer_step
                 start._hook = register(start._after_step)
         return start
 
@@ -257,8 +268,9 @@ class _Start:
         self.unit = self.tau = self.per_tau = self.projections = None
         self.params = [p.detach().clone() for p in tracked]  # theta_t: the step has not run
         self.captured = captured
-        if at_optimizer_step:
+        if at_optimizer_step():
             self._stepped = [p.detach() for p in tracked]
+            self._at_optimizer_step = at_optimizer_step
             self._hook = optimizer.register_step_post_hook(self._after_step)
 
     def _after_closure(self, optimizer, args, kwargs) -> None:
@@ -285,7 +297,14 @@ class _Start:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         """Measure s and project as soon as ``optimizer.step()`` returns; remember the
-        parameters' norms, to check at the next tracked step that they did not change since."""
+        parameters' norms, to check at the next tracked step that they did not change since.
+        Where the start before learnt, when its end step (this start) was stored, that the
+        parameters change after the optimizer's step, s is measured at the next tracked step
+        instead, as for an optimizer without step hooks."""
+        if not self._at_optimizer_step():
+            self._hook.remove()
+            self._hook, self._stepped = None, None
+            return
         self.finish_update(self._stepped)
         self._norms = _norms(self._stepped)
         self._stepped = None
@@ -338,9 +357,9 @@ class _Start:
         ]  # fmt: skip
         return start
 
-    def alpha(self, data: StepData) -> float | None:
-        """Alpha of this start and the end step ``data`` (None, with a warning, where the
-        parameters changed between ``optimizer.step()`` and this step)."""
+    def alpha(self, data: StepData) -> float | Deferred:
+        """Alpha of this start and the end step ``data``, finished on the host (None, with a
+        warning, where the parameters changed between ``optimizer.step()`` and this step)."""
         totals = data.totals["Alpha"]
         n, f1, vf1 = _moments(totals, "f", data.batch_size)
         _, df0, vdf0 = _moments(totals, "df0", data.batch_size)
@@ -355,15 +374,16 @@ class _Start:
         changed = torch.zeros((), dtype=torch.float64, device=self.tau.device)
         if self._norms is not None:
             changed = _changed(_norms(data.params), self._norms).double()  # a fingerprint
-        # one host transfer for the whole fit
+        # read with the step's one host transfer, for the whole fit
         observations = [changed, self.tau, self.f, f1, df0, df1, self.var_f, vf1, vdf0, vdf1]
-        changed, tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1 = torch.stack(
-            [t.double().to(changed.device) for t in observations]
-        ).tolist()
+        return Deferred(tuple(observations), lambda floats, _: self._fit(data.step, *floats))
+
+    def _fit(self, end: int, changed, tau, f0, f1, df0, df1, vf0, vf1, vdf0, vdf1):
+        """Alpha from the observations on the host (see :meth:`alpha`)."""
         if changed:
             warnings.warn(
                 f"Alpha at step {self.step}: the parameters changed between optimizer.step() "
-                f"and step {data.step} (another optimizer step, or a change such as weight "
+                f"and step {end} (another optimizer step, or a change such as weight "
                 "clipping), so the update measured when optimizer.step() returned is not "
                 f"theta_{{t+1}} - theta_t; stored nothing for step {self.step}. From now on "
                 "Alpha measures the update at the next tracked step, keeping each start "
@@ -431,9 +451,10 @@ def _checked_losses(data: StepData) -> Tensor:
 
 
 def _moment_sums(name: str, values: Tensor) -> dict[str, Tensor]:
-    """The count, sum and sum of squares of ``values`` (float64), named ``name.*``."""
+    """The count, sum and sum of squares of ``values`` (float64), named ``name.*`` (the count
+    filled on the device: a tensor made from a host number is a copy the host waits for)."""
     return {
-        f"{name}.n": values.new_tensor(values.numel(), dtype=torch.float64),
+        f"{name}.n": values.new_full((), values.numel(), dtype=torch.float64),
         f"{name}.sum": values.sum(),
         f"{name}.sq": values.pow(2).sum(),
     }

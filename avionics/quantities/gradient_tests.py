@@ -13,7 +13,8 @@ the same for a mean- or a sum-reduced loss.
 
 The [N] statistics and ||g||^2 are combined in float64: in float32, ||g||^4 and (g_n . g)^2
 overflow once ||g|| exceeds a few times 1e9. A zero mean gradient leaves the tests undefined: they
-store nan, with a warning (once per quantity).
+store nan, with a warning (once per quantity), decided on the host with the step's one transfer
+(:class:`~avionics.quantities.deferred.Deferred`).
 
 With ``per_layer=True`` each test is also read per tracked parameter k: the same ratio of that
 parameter's own sums, e.g. NormTest_k = sqrt( sum_n ||g_n^(k) - g^(k)||^2 / ((N-1) N
@@ -35,6 +36,7 @@ from avionics.quantities.base import (
     mean_gradient_sq_norms,
     per_parameter_rows,
 )
+from avionics.quantities.deferred import Deferred
 from avionics.quantities.outputs import PER_LAYER
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
@@ -79,25 +81,33 @@ class _GradientTest(Quantity):
             warnings.warn(
                 f"{self.name} needs a batch of at least 2 samples; stored nan.", stacklevel=2
             )
-            nan = torch.tensor(float("nan"), dtype=torch.float64, device=data.params[0].device)
+            nan = torch.full((), torch.nan, dtype=torch.float64, device=data.params[0].device)
             if self.per_layer:
                 return {data.step: self.layered(nan, nan.repeat(len(data.params)))}
             return {data.step: nan}
         g_sq = mean_gradient_sq_norm(data)
-        # (one host transfer per step for the three tests, only until the warning is given)
-        if not self._warned_zero_gradient and _zero_gradient(data):
-            self._warned_zero_gradient = True
-            warnings.warn(
-                f"{self.name} at step {data.step}: the mean gradient is zero, so the test is "
-                "undefined (it divides by ||g||^2); stored nan. Warned once.",
-                stacklevel=2,
-            )
         totals = data.totals[self.name]
         value = self.statistic(totals["sum"], g_sq, n)
         if self.per_layer:
             g_sq_k = mean_gradient_sq_norms(data)
             value = self.layered(value, self.statistic(totals["per_parameter"], g_sq_k, n))
-        return {data.step: value}
+        if self._warned_zero_gradient:
+            return {data.step: value}
+        # whether g = 0, read with the step's one host transfer (until the warning is given)
+        return {data.step: Deferred((g_sq == 0,), self._warn_if_zero(data.step), value)}
+
+    def _warn_if_zero(self, step: int):
+        def finish(floats: list[float], value):
+            if floats[0] and not self._warned_zero_gradient:
+                self._warned_zero_gradient = True
+                warnings.warn(
+                    f"{self.name} at step {step}: the mean gradient is zero, so the test is "
+                    "undefined (it divides by ||g||^2); stored nan. Warned once.",
+                    stacklevel=4,
+                )
+            return value
+
+        return finish
 
 
 class NormTest(_GradientTest):
@@ -164,11 +174,3 @@ class OrthoTest(_GradientTest):
     @staticmethod
     def statistic(total, g_sq, n):
         return (total / ((n - 1) * n * g_sq)).clamp(min=0).sqrt()
-
-
-def _zero_gradient(data: StepData) -> bool:
-    """Whether ||g||^2 of the mean gradient is zero: read on the host once per step, shared by
-    the gradient tests."""
-    if "g_sq is zero" not in data.shared:
-        data.shared["g_sq is zero"] = bool(mean_gradient_sq_norm(data) == 0)
-    return data.shared["g_sq is zero"]

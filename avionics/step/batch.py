@@ -9,6 +9,8 @@ under data parallelism).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -56,13 +58,15 @@ def _store(part: Part, k: int, copy: bool):
 def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
     """The step's one batch: its loss, gradients (the backward scale c divided out; with
     ``graph`` also with their graph, for the curvature quantities) and captured calls.
-    ``several``: under data parallelism, where ``p.grad`` may hold DDP's average."""
-    c = part.scale()
+    ``several``: under data parallelism, where ``p.grad`` may hold DDP's average. c and, on
+    one process, whether the loss and the gradients are finite are read in one host
+    transfer (:func:`read_after_backward`)."""
     # p.grad with one process; under data parallelism what this process's backward gave
     # each parameter (DDP's average is in p.grad)
     raw = part.gradients
     if raw is None or not several:
         raw = [local(p.grad).detach() if p.grad is not None else None for p in params]
+    c, loss_finite, gradients_finite = read_after_backward(part, raw, several)
     gradients = [unscaled(g, c) for g in raw]
     # (the engine casts captured 16-bit tensors to float32 itself, with the check's rtol)
     calls = part.capture.calls_by_module() if part.capture is not None else None
@@ -80,7 +84,48 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
         check=part.gradients,
         check_rtol=None,
         unsynced=raw,
+        loss_finite=loss_finite,
+        gradients_finite=gradients_finite,
     )
+
+
+def read_after_backward(part: Part, raw: list, several: bool):
+    """(c, whether the loss is finite, whether the gradients ``raw`` as backpropagated are
+    finite), in one host transfer; the finiteness on one process only (None under data
+    parallelism, where the processes decide it together)."""
+    scalars = [] if part.loss_gradient is None else [part.loss_gradient.reshape(())]
+    present = [g for g in raw if g is not None]
+    if not several:
+        scalars.append(torch.isfinite(part.loss).reshape(()))
+        if present:
+            scalars.append(torch.stack(torch._foreach_norm(present)).isfinite().all())
+    if not scalars:
+        return 1.0, None, None
+    device = scalars[0].device
+    read = torch.stack([s.to(device, torch.float64) for s in scalars]).tolist()
+    c = part.scale(read.pop(0)) if part.loss_gradient is not None else 1.0
+    if several:
+        return c, None, None
+    return c, bool(read[0]), bool(read[1]) if present else True
+
+
+def settled(batch: Batch, combined: Combined) -> Batch:
+    """``batch`` with whether its loss is finite: as read after the backward (one batch on
+    one process), or read now."""
+    if batch.finite is not None:
+        return batch
+    finite = combined.loss_finite
+    if finite is None:
+        finite = bool(torch.isfinite(batch.loss))
+    return dataclasses.replace(batch, finite=finite)
+
+
+def with_finiteness(batch: Batch) -> Batch:
+    """``batch`` with whether its loss is finite, read now (where a check before the backward
+    depends on it)."""
+    if batch.finite is not None:
+        return batch
+    return dataclasses.replace(batch, finite=bool(torch.isfinite(batch.loss)))
 
 
 class OneProcess:
@@ -97,8 +142,10 @@ class OneProcess:
         return [p.detach() for p in self.params]
 
     def batch(self, loss: Tensor, reduction: str, n: int | None) -> Batch:
-        """The step's loss, batch size and finiteness."""
-        return Batch(loss, n, (n,), bool(torch.isfinite(loss)))
+        """The step's loss and batch size; whether the loss is finite is read after the
+        backward, with its scale (:func:`settled`), or where a check before the backward needs
+        it (:func:`with_finiteness`)."""
+        return Batch(loss, n, (n,), None)
 
     def check_batch(self, step: int, batch: Batch) -> None:
         """Nothing to check of one process's batch."""
@@ -112,7 +159,8 @@ class OneProcess:
         return None
 
     def finite(self, gradients: list[Tensor | None]) -> bool:
-        """Whether the gradients are finite."""
+        """Whether the gradients are finite (one host transfer; one batch reads it with the
+        scale: :attr:`Combined.gradients_finite`)."""
         return all_finite(gradients)
 
     def statistics(self, captured, request, directions: dict):

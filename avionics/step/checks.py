@@ -164,15 +164,31 @@ def check_info(step: int, info, active: list) -> tuple[str, int | None]:
                 f"info['batch_size'] is {n} but info['individual_losses'] has "
                 f"{len(losses)} entries; they must agree."
             )
-        reduction, n = reduction_of(loss.detach(), losses.detach()), len(losses)
+        reduction, n = reduction_of(loss, losses), len(losses)
     for q in active:
         q.validate(step, info)
     return reduction, n
 
 
+# the autograd nodes of a loss that is the mean or the sum of all the per-sample losses
+_REDUCTION_NODES = {
+    "MeanBackward0": "mean",
+    "MeanBackward1": "mean",
+    "SumBackward0": "sum",
+    "SumBackward1": "sum",
+}
+
+
 def reduction_of(loss: Tensor, losses: Tensor) -> str:
-    """'mean' or 'sum', from how ``loss`` relates to the per-sample ``losses`` (one host
-    transfer)."""
+    """'mean' or 'sum', from how ``loss`` relates to the per-sample ``losses``: from the
+    graph where ``loss`` is ``losses.mean()`` or ``losses.sum()`` itself (of a 1-d tensor,
+    over every entry), else from their values (one host transfer)."""
+    node = loss.grad_fn
+    if node is not None and losses.grad_fn is not None and len(node.next_functions) == 1:
+        reduction = _REDUCTION_NODES.get(type(node).__name__)
+        if reduction is not None and node.next_functions[0][0] is losses.grad_fn:
+            return reduction
+    loss, losses = loss.detach(), losses.detach()
     value, total = torch.stack([loss.reshape(()), losses.sum()]).double().tolist()
     mean = total / len(losses)
     # (16-bit losses of a forward under autocast: to their precision)
@@ -235,6 +251,17 @@ def check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.Mo
             "compute both from one forward (out = model(x); losses = criterion(out, y, "
             "reduction='none'); loss = losses.mean())."
         )
+
+
+def reads_forward(step: int, active: list) -> bool:
+    """Whether a check before the backward reads the step's forward for ``active``
+    (:func:`check_loss_graphs`, a quantity's ``validate_forward``): those run on a finite loss
+    only, so that its finiteness is read on entering (else with the backward's scale)."""
+    return any(
+        type(q).validate_forward is not Quantity.validate_forward
+        or (q.create_graph and "individual_losses" in q.required_info(step))
+        for q in active
+    )
 
 
 def validate_forwards(step: int, info: dict, active: list, capture, model, params) -> None:

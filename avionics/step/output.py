@@ -1,26 +1,26 @@
 """Output: a finished step's values, kept in memory and handed to the sinks, converted once.
 
-Each step's values, {step they belong to: {name: value}}, are checked for NaN and infinities
-(one host transfer, a warning naming the quantities), joined by the step's learning rates,
-written to the sinks converted to plain Python (:func:`avionics.records.encoding.to_python`),
-and kept in memory: all of them without a log, the last ``window`` steps with one. Without a
-sink the conversion waits for :meth:`Storage.output`, so that a tracked step copies nothing
-to the host.
+Each step's values, {step they belong to: {name: value}}, joined by the step's learning rates,
+cross to the host in one transfer (:mod:`avionics.step.transfer`): their deferred values are
+finished there, they are checked for NaN and infinities (a warning naming the quantities),
+and, where there are sinks, converted to plain Python and written to them. They are kept in
+memory: all of them without a log, the last ``window`` steps with one. Without a sink the
+conversion waits for :meth:`Storage.output`, so that a tracked step copies only the few
+numbers it reads to the host.
 """
 
 from __future__ import annotations
 
-import math
 import reprlib
 import warnings
 from collections import defaultdict
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from avionics.quantities.loss import Loss
 from avionics.records.encoding import to_python
+from avionics.step.transfer import read
 from avionics.step.values import Batch
 
 # Where each tracked step's learning rate is stored (info["optimizer"]'s, as cockpit.log would).
@@ -57,12 +57,13 @@ class Storage:
         self._described_training = False
 
     def store(self, values: dict[int, dict[str, Any]], stacklevel: int) -> None:
-        """Keep a step's values and hand them to the sinks, converted once (``stacklevel``:
-        warnings.warn's, from here, of a warning of non-finite values)."""
-        warn_non_finite(values, stacklevel + 1)
+        """Keep a step's values and hand them to the sinks, converted once, after one host
+        transfer (``stacklevel``: warnings.warn's, from here, of a warning of non-finite
+        values)."""
+        values, non_finite = read(values, convert=bool(self.sinks))
+        warn_non_finite(non_finite, stacklevel + 1)
         for step, named in sorted(values.items()):
             if self.sinks:
-                named = {name: to_python(value) for name, value in named.items()}
                 for sink in self.sinks:
                     sink.write(step, named)
             else:
@@ -143,29 +144,12 @@ def add_learning_rates(values: dict, step: int, info: dict) -> None:
     values[step][LEARNING_RATE] = rates[0] if len(set(rates)) == 1 else rates
 
 
-def warn_non_finite(values: dict[int, dict[str, Any]], stacklevel: int) -> None:
-    """Warn, per step, of the quantities whose values are NaN or infinite (one host
-    transfer for all tensor values of the step; ``stacklevel``: warnings.warn's, from
-    here)."""
-    for step, named in values.items():
-        tensors = {
-            k: v for k, v in named.items() if isinstance(v, Tensor) and v.is_floating_point()
-        }
-        flags = {}
-        if tensors:
-            # the scalars in one check, each larger tensor in one of its own
-            scalars = [k for k, v in tensors.items() if v.dim() == 0]
-            others = [k for k in tensors if tensors[k].dim() > 0]
-            checks = []
-            if scalars:
-                checks.append(torch.isfinite(torch.stack([tensors[k] for k in scalars])))
-            checks += [torch.isfinite(tensors[k]).all().reshape(1) for k in others]
-            finite = checks[0] if len(checks) == 1 else torch.cat(checks)
-            flags = dict(zip(scalars + others, finite.tolist()))
-        for name, value in named.items():
-            if isinstance(value, float):
-                flags[name] = math.isfinite(value)
-        bad = [name for name, ok in flags.items() if not ok and name != Loss.__name__]
+def warn_non_finite(non_finite: dict[int, list[str]], stacklevel: int) -> None:
+    """Warn, per step, of the quantities whose values are NaN or infinite (``non_finite``,
+    from :func:`avionics.step.transfer.read`; a non-finite loss is said where the step is
+    skipped; ``stacklevel``: warnings.warn's, from here)."""
+    for step, names in non_finite.items():
+        bad = [name for name in names if name != Loss.__name__]
         if bad:
             warnings.warn(
                 f"Step {step}: {', '.join(bad)} {'is' if len(bad) == 1 else 'are'} NaN or "

@@ -1,0 +1,140 @@
+"""Transfer: a finished step's values cross to the host once.
+
+Everything the host needs of a step's values is read in one transfer per device (one on a
+GPU: the values are on the parameters' device): the scalars of each
+:class:`~avionics.quantities.deferred.Deferred` value, whether each value that is a floating
+tensor is finite, and, where the values go to sinks as plain Python, every tensor in them
+(flattened, read as float64, which holds every float of 64 bits or fewer and every integer up
+to 2^53 exactly, and rebuilt as the nested lists of ``Tensor.tolist``). The deferred values are
+then finished on the host, in order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from avionics.quantities.deferred import Deferred
+
+
+def read(values: dict[int, dict[str, Any]], convert: bool):
+    """(``values`` with each deferred value finished, or dropped where it finishes as None;
+    and, per step, the names of the values that are NaN or infinite), in one host transfer;
+    with ``convert``, every value is plain Python (as
+    :func:`avionics.records.encoding.to_python` makes it)."""
+    reads = _Reads()
+    # what the host reads: (step, name, the deferred value's scalars, its finiteness, the value)
+    pending = []
+    for step, named in values.items():
+        for name, value in named.items():
+            deferred = value if isinstance(value, Deferred) else None
+            if deferred is not None:
+                value = deferred.value
+            scalars = [reads.add(s) for s in deferred.scalars] if deferred else None
+            finite = reads.add(_all_finite(value)) if _is_float_tensor(value) else None
+            leaves = reads.tree(value) if convert else None
+            pending.append((step, name, deferred, scalars, finite, value, leaves))
+    host = reads.host()
+    out: dict[int, dict[str, Any]] = defaultdict(dict)
+    bad: dict[int, list[str]] = defaultdict(list)
+    for step, name, deferred, scalars, finite, value, leaves in pending:
+        if convert:
+            value = _rebuilt(value, _numbers(host, leaves))
+        if deferred is not None:
+            value = deferred.finish(list(_numbers(host, scalars)), value)
+            if value is None:
+                continue
+        ok = bool(next(_numbers(host, [finite]))) if finite is not None else _finite_number(value)
+        if not ok:
+            bad[step].append(name)
+        out[step][name] = value
+    return dict(out), dict(bad)
+
+
+class _Reads:
+    """The tensors the host reads, flattened into one transfer per device; each read is
+    known by its (device, offset, numel) in :meth:`host`'s lists."""
+
+    def __init__(self):
+        self._parts: dict[torch.device, list[Tensor]] = defaultdict(list)
+        self._size: dict[torch.device, int] = defaultdict(int)
+
+    def add(self, tensor: Tensor) -> tuple:
+        """Read the one number of ``tensor``."""
+        return self.tree(tensor.reshape(()))[0]
+
+    def tree(self, value: Any) -> list[tuple]:
+        """Read every tensor in ``value`` (dicts, lists, tuples), in order."""
+        segments = []
+        for t in _tensors(value):
+            flat = t.detach().reshape(-1)
+            segments.append((flat.device, self._size[flat.device], flat.numel()))
+            self._parts[flat.device].append(flat.to(torch.float64))
+            self._size[flat.device] += flat.numel()
+        return segments
+
+    def host(self) -> dict[torch.device, list[float]]:
+        """Every number read, per device (one transfer each)."""
+        return {
+            device: (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+            for device, parts in self._parts.items()
+        }
+
+
+def _numbers(host: dict, segments: list[tuple]):
+    """The numbers of ``segments`` of the host's lists, in order."""
+    for device, offset, numel in segments:
+        yield from host[device][offset : offset + numel]
+
+
+def _tensors(value: Any):
+    """The tensors in ``value``, depth first (the order :func:`_rebuilt` consumes them)."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _rebuilt(value: Any, numbers) -> Any:
+    """``value`` as plain Python, its tensors' numbers taken from ``numbers`` in order."""
+    if isinstance(value, Tensor):
+        kind = bool if value.dtype == torch.bool else float if value.is_floating_point() else int
+        flat = [kind(next(numbers)) for _ in range(value.numel())]
+        return _nested(flat, list(value.shape))
+    if isinstance(value, dict):
+        return {k: _rebuilt(v, numbers) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_rebuilt(v, numbers) for v in value]
+    tolist = getattr(value, "tolist", None)  # numpy scalars and arrays (on the host)
+    return tolist() if callable(tolist) else value
+
+
+def _nested(flat: list, shape: list[int]):
+    """``flat`` in row-major order as nested lists of ``shape`` (a number for shape [])."""
+    if not shape:
+        return flat[0]
+    if len(shape) == 1:
+        return flat
+    step = len(flat) // shape[0] if shape[0] else 0
+    return [_nested(flat[i * step : (i + 1) * step], shape[1:]) for i in range(shape[0])]
+
+
+def _is_float_tensor(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
+
+
+def _all_finite(tensor: Tensor) -> Tensor:
+    return torch.isfinite(tensor).all()
+
+
+def _finite_number(value: Any) -> bool:
+    """Whether ``value`` is not a NaN or infinite float (other values are not checked)."""
+    return not isinstance(value, float) or math.isfinite(value)
