@@ -52,6 +52,6 @@ class UpdateRatio(TwoStepQuantity):
         nan = torch.full_like(norms, torch.nan)
         total = (updates * defined).square().sum().sqrt() / norms.square().sum().sqrt()
         return {
-            "global": total if bool(defined.any()) else nan[0],
+            "global": torch.where(defined.any(), total, nan[0]),  # (on the device)
             "per_parameter": torch.where(defined, updates / norms.where(defined, 1.0), nan),
         }
