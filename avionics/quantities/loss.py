@@ -3,11 +3,14 @@ batch whose loss is far above the others', to find bad data."""
 
 from __future__ import annotations
 
-import torch
+import math
+
+import numpy as np
 from torch import Tensor
 
 from avionics.quantities.arguments import checked_int, checked_real
 from avionics.quantities.base import PER_SAMPLE_LOSSES, Quantity, StepData
+from avionics.quantities.deferred import Deferred
 from avionics.quantities.outputs import TENSORS
 from avionics.schedules import Schedule
 
@@ -69,25 +72,35 @@ class LossOutliers(Quantity):
         return {"losses": placed}
 
     def compute(self, data: StepData):
-        found = outliers(data.totals[self.name]["losses"], self.k, self.max_listed)
-        return {data.step: {**found, "k": self.k}}
+        # found on the host, from the losses read with the step's one host transfer
+        return {data.step: Deferred((data.totals[self.name]["losses"],), self._found)}
+
+    def _found(self, losses: list[float], _) -> dict:
+        return {**outliers_of(losses, self.k, self.max_listed), "k": self.k}
 
 
 def outliers(losses: Tensor, k: float, max_listed: int) -> dict:
-    """The outliers of ``losses`` [N] by the rule of :class:`LossOutliers`."""
-    finite = torch.isfinite(losses)
-    kept = losses[finite]
-    median = float(kept.quantile(0.5)) if len(kept) else float("nan")
-    mad = float((kept - median).abs().quantile(0.5)) if len(kept) else float("nan")
+    """The outliers of ``losses`` [N] by the rule of :class:`LossOutliers` (one host
+    transfer)."""
+    return outliers_of(losses.double().tolist(), k, max_listed)
+
+
+def outliers_of(losses: list[float], k: float, max_listed: int) -> dict:
+    """The outliers of the per-sample ``losses``, on the host, by the rule of
+    :class:`LossOutliers`."""
+    values = np.asarray(losses, dtype=np.float64)
+    finite = np.isfinite(values)
+    kept = values[finite]
+    median = float(np.median(kept)) if len(kept) else math.nan
+    mad = float(np.median(np.abs(kept - median))) if len(kept) else math.nan
     scale = max(MAD_TO_STD * mad, MIN_RELATIVE_SCALE * abs(median))
-    far = ~finite | (losses > median + k * scale)
-    indices = torch.nonzero(far).reshape(-1)
+    indices = np.flatnonzero(~finite | (values > median + k * scale))
     # non-finite first (nan sorts as the largest), then by loss, largest first
-    order = torch.argsort(torch.nan_to_num(losses[indices], nan=float("inf")), descending=True)
+    order = np.argsort(-np.nan_to_num(values[indices], nan=math.inf), kind="stable")
     listed = indices[order[:max_listed]]
     return {
         "indices": listed.tolist(),
-        "losses": losses[listed].tolist(),
+        "losses": values[listed].tolist(),
         "count": len(indices),
         "median": median,
         "scale": scale,

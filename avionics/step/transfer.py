@@ -1,7 +1,7 @@
 """Transfer: a finished step's values cross to the host once.
 
 Everything the host needs of a step's values is read in one transfer per device (one on a
-GPU: the values are on the parameters' device): the scalars of each
+GPU: the values are on the parameters' device): the tensors of each
 :class:`~avionics.quantities.deferred.Deferred` value, whether each value that is a floating
 tensor is finite, and, where the values go to sinks as plain Python, every tensor in them
 (flattened, read as float64, which holds every float of 64 bits or fewer and every integer up
@@ -27,28 +27,29 @@ def read(values: dict[int, dict[str, Any]], convert: bool):
     with ``convert``, every value is plain Python (as
     :func:`avionics.records.encoding.to_python` makes it)."""
     reads = _Reads()
-    # what the host reads: (step, name, the deferred value's scalars, its finiteness, the value)
+    # what the host reads: (step, name, the deferred value's numbers, its finiteness, the value)
     pending = []
     for step, named in values.items():
         for name, value in named.items():
             deferred = value if isinstance(value, Deferred) else None
             if deferred is not None:
                 value = deferred.value
-            scalars = [reads.add(s) for s in deferred.scalars] if deferred else None
-            finite = reads.add(_all_finite(value)) if _is_float_tensor(value) else None
+            numbers = reads.tree(deferred.tensors) if deferred else None
+            finite = reads.add(_finiteness(value)) if _is_float_tensor(value) else None
             leaves = reads.tree(value) if convert else None
-            pending.append((step, name, deferred, scalars, finite, value, leaves))
+            pending.append((step, name, deferred, numbers, finite, value, leaves))
     host = reads.host()
     out: dict[int, dict[str, Any]] = defaultdict(dict)
     bad: dict[int, list[str]] = defaultdict(list)
-    for step, name, deferred, scalars, finite, value, leaves in pending:
+    for step, name, deferred, numbers, finite, value, leaves in pending:
         if convert:
             value = _rebuilt(value, _numbers(host, leaves))
         if deferred is not None:
-            value = deferred.finish(list(_numbers(host, scalars)), value)
+            value = deferred.finish(list(_numbers(host, numbers)), value)
             if value is None:
                 continue
-        ok = bool(next(_numbers(host, [finite]))) if finite is not None else _finite_number(value)
+        ok = math.isfinite(next(_numbers(host, [finite]))) if finite is not None else True
+        ok = ok and _finite_number(value)
         if not ok:
             bad[step].append(name)
         out[step][name] = value
@@ -131,8 +132,12 @@ def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
-def _all_finite(tensor: Tensor) -> Tensor:
-    return torch.isfinite(tensor).all()
+def _finiteness(tensor: Tensor) -> Tensor:
+    """A number that is finite where every entry of ``tensor`` is: a scalar itself, else 0
+    or nan (so that a step's many scalars cost no kernel)."""
+    if tensor.dim() == 0:
+        return tensor
+    return torch.where(torch.isfinite(tensor).all(), 0.0, torch.nan)
 
 
 def _finite_number(value: Any) -> bool:
