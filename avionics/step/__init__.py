@@ -12,7 +12,13 @@
 4. finish: the step's micro-batches as one batch (:mod:`~avionics.step.batch`, or
    :mod:`~avionics.step.accumulation` for k > 1), its global gradients
    (:mod:`~avionics.step.parallel`), the quantities' values (:mod:`~avionics.step.compute`)
-   and their storage (:mod:`~avionics.step.output`).
+   and their storage (:mod:`~avionics.step.output`), after the one host transfer of their
+   values (:mod:`~avionics.step.transfer`).
+
+A tracked plain step reads the device twice: after the backward, the scale of the loss with
+whether the loss and the gradients are finite (:func:`~avionics.step.batch.one_batch`), and at
+the storage, every value's finiteness with the numbers the quantities decide on the host
+(:class:`~avionics.quantities.deferred.Deferred`); an untracked step never does.
 
 The values that pass between the stages are in :mod:`~avionics.step.values`, which imports
 none of the others. A plain step (one batch, one process) runs through
