@@ -6,6 +6,7 @@ on a healthy run; its dashboard panel where there are several ranks."""
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 
 import models
@@ -27,19 +28,15 @@ def shard(tensor, sizes, rank):
 
 
 def data(sizes, step, fault=None, rank=0):
-    """Rank ``rank``'s shard of step ``step``'s global batch split into ``sizes``;
-    ``fault="shard"`` makes rank 1's an outlier (its inputs scaled by 30: another
-    distribution)."""
+    """Rank ``rank``'s shard of step ``step``'s global batch split into ``sizes``."""
     _, X, y, _ = models.mlp(n=sum(sizes), seed=10 + step)
-    X, y = shard(X, sizes, rank), shard(y, sizes, rank)
-    if fault == "shard" and rank == 1:
-        X = 30 * X
-    return X, y
+    return shard(X, sizes, rank), shard(y, sizes, rank)
 
 
 def viewed_rank(rank, world, sizes, log, fault, reduction="mean", micro=1):
     """A DDP run with Ranks (and Loss, GradNorm) tracked every step; ``fault="slow"`` makes
-    rank 1 sleep 60 ms before each forward (a straggler)."""
+    rank 1 sleep 60 ms before each forward (a straggler), ``fault="shard"`` its per-sample
+    losses 10 times the others' (a shard whose targets or loss differ)."""
     model, _, _, loss_fn = models.mlp(n=2)
     forward = nn.parallel.DistributedDataParallel(model)
     chosen = [quantities.Loss(), quantities.GradNorm(), quantities.Ranks()]
@@ -54,7 +51,7 @@ def viewed_rank(rank, world, sizes, log, fault, reduction="mean", micro=1):
         for i, (Xi, yi) in enumerate(parts):
             last = i == len(parts) - 1
             with contextlib.nullcontext() if last else forward.no_sync():
-                losses = loss_fn(forward(Xi), yi)
+                losses = loss_fn(forward(Xi), yi) * (10 if fault == "shard" and rank else 1)
                 loss = losses.mean() if reduction == "mean" else losses.sum()
                 info = {"loss": loss, "individual_losses": losses, "batch_size": len(Xi)}
                 share = len(Xi) / len(X) if reduction == "mean" else 1.0
@@ -130,15 +127,17 @@ def test_a_slow_rank_is_found_as_a_straggler(runs):
     log = runs[1] / "slow"
     findings = [f for f in diagnose(log) if f.check == "straggler_ranks"]
     assert [f.title.split(":")[0] for f in findings] == ["Rank 1 is a straggler"]
-    times = [read_run(log).steps[s]["Ranks"]["step_time"] for s in range(1, STEPS)]
-    assert all(slow - fast > 0.04 for fast, slow in times)  # the 60 ms sleep, seen
+    times = [read_run(log).steps[s]["Ranks"]["step_time"] for s in range(STEPS)]
+    assert statistics.median(slow - fast for fast, slow in times) > 0.04  # the 60 ms sleep
     assert not [f for f in diagnose(log) if f.check == "outlier_shards"]
 
 
 def test_a_shard_of_another_distribution_is_found_as_an_outlier(runs):
     findings = [f for f in diagnose(runs[1] / "shard") if f.check == "outlier_shards"]
-    assert findings and all(f.title.startswith("Rank 1's shard has a") for f in findings)
-    assert "loss" in " ".join(f.title for f in findings)
+    assert [f.title.rsplit(" ", 4)[0] for f in findings] == [
+        "Rank 1's shard has a loss",
+        "Rank 1's shard has a gradient norm",
+    ]
 
 
 def test_a_healthy_run_has_no_rank_findings(runs):

@@ -72,7 +72,6 @@ class Counted:
 def counted_step(rank, world, sizes, names):
     """The collectives of the third tracked step (the first arms, the second is warm), and the
     tensors' devices seen by them."""
-    counted = Counted()
     devices = set()
     original = dist.all_reduce
 
@@ -81,6 +80,7 @@ def counted_step(rank, world, sizes, names):
         return original(tensor, *args, **kwargs)
 
     dist.all_reduce = all_reduce
+    counted = Counted()
     try:
         model, X, y, loss_fn = models.mlp(n=sum(sizes))
         start = sum(sizes[:rank])
@@ -100,7 +100,7 @@ def counted_step(rank, world, sizes, names):
             opt.step()
         cockpit.close()
         parameters = sum(p.numel() for p in model.parameters())
-        return counted.calls, parameters, devices, cockpit.get_output()[2]
+        return list(counted.calls), parameters, devices, cockpit.get_output()[2]
     finally:
         counted.close()
         dist.all_reduce = original
