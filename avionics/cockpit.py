@@ -28,6 +28,7 @@ import time
 import warnings
 import weakref
 from contextlib import contextmanager, suppress
+from functools import partial
 
 import torch
 from torch import nn
@@ -258,6 +259,7 @@ class Cockpit:
             agreement = Agreement(
                 step, micro_batch, self.params, self._world, entry.loss, entry.n, self._since
             )
+            agreement.closing = partial(self._processes.closing, entry)
             handles += [p.register_hook(agreement.first_gradient) for p in self.params]
         with self._interruptible(step, capture, agreement):
             try:
@@ -269,8 +271,9 @@ class Cockpit:
                 if capture is not None:
                     capture.stop_recording()
             if agreement is not None:
-                agreement.raise_if_failed(agreement.agree(False))
+                agreement.raise_if_failed(agreement.agree(False, part))
                 part.ranks = agreement.ranks
+                self._processes.carried(agreement.carried)
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages

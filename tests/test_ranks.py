@@ -197,3 +197,20 @@ def test_the_dashboard_draws_the_per_rank_panel_only_with_several_ranks():
     assert titles.count("Ranks") == 1
     single = synthetic([[0.05]] * 5)
     assert "Ranks" not in [ax.get_title() for ax in plot(single).axes]
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_with_one_process_the_view_is_the_batch_s_own(architecture, reduction):
+    model, X, y, loss_fn = getattr(models, architecture)(n=5)
+    cockpit = Cockpit(model, [quantities.Ranks()])
+    losses = loss_fn(model(X), y)
+    loss = losses.mean() if reduction == "mean" else losses.sum()
+    mean_grads = torch.autograd.grad(losses.mean(), list(model.parameters()), retain_graph=True)
+    with cockpit(0, info={"loss": loss, "individual_losses": losses, "batch_size": len(X)}):
+        loss.backward()
+    ranks = cockpit.get_output()[0]["Ranks"]
+    norm = torch.cat([g.reshape(-1) for g in mean_grads]).norm()
+    assert ranks["loss"] == pytest.approx([float(loss)], rel=1e-14)
+    assert ranks["grad_norm"] == pytest.approx([float(norm)], rel=1e-12)
+    assert ranks["batch_size"] == [len(X)] and ranks["step_time"] == [None]

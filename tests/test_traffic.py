@@ -6,9 +6,9 @@ Per tracked single-batch step of the economy preset on 2 processes: the two coll
 step's agreement (issue 28: each process learns of one that raised in its block), which carry
 the batch sizes and losses too (W x 4 float64 at the backward's first gradient, W at the
 block's end), and one packed all-reduce of the quantities' sums: 976 B in all (was 4
-collectives, 960 B, with the sizes and losses in a collective of their own). Unequal shards add
-the gradient sums (the global mean gradient, sum_r N_r g_r / N, is not DDP's average), in one
-all-reduce of the gradient's size.
+collectives, 960 B, with the sizes and losses in a collective of their own). With unequal
+shards the global mean gradient, sum_r N_r g_r / N, is not DDP's average: the closing
+agreement carries the gradient sums too (was a fifth collective).
 """
 
 from __future__ import annotations
@@ -140,12 +140,13 @@ def test_with_three_processes_too(tmp_path):
     check_equal_shards(results, 3)
 
 
-def test_unequal_shards_add_one_all_reduce_of_the_gradient_sums(two_processes):
+def test_unequal_shards_carry_the_gradient_sums_in_the_closing_agreement(two_processes):
     for calls, parameters, _, _ in two_processes[1]:
-        assert [name for name, _ in calls] == ["all_reduce"] * 4
-        gradient = [size for _, size in calls if size == parameters * 8]
-        assert len(gradient) == 1  # sum_r N_r g_r in float64
-        assert sum(size for _, size in calls) - gradient[0] <= BYTES_BEYOND_GRADIENTS
+        assert [name for name, _ in calls] == ["all_reduce"] * 3
+        first, closing, _ = (size for _, size in calls)
+        assert first == 2 * 4 * 8
+        assert closing == 2 * 8 + parameters * 8  # the flags and sum_r N_r g_r, float64
+        assert sum(size for _, size in calls) - parameters * 8 <= BYTES_BEYOND_GRADIENTS
 
 
 def test_loss_alone_sends_the_agreement_only(two_processes):

@@ -19,12 +19,12 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
-from avionics.distributed import World, all_processes, sum_over_processes
+from avionics.distributed import World, sum_over_processes
 from avionics.persample import Request, Statistics
 from avionics.persample.request import MEAN_GRADIENT
 from avionics.step.batch import local, zeros_where_none
 from avionics.step.precision import all_finite, unscaled
-from avionics.step.values import Batch, Combined, Part
+from avionics.step.values import Batch, Combined, Entry, Part
 
 # What a cockpit computes on parameters FSDP shards (each process holds a shard of each).
 SHARDED_QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "Time")
@@ -38,6 +38,7 @@ class DataParallel:
         self.params, self.world, self.ddp, self.sharded = params, world, ddp, sharded
         self._no_sync = None  # DDP's no_sync(), while entered
         self._ddp_average: list[Tensor] | None = None
+        self._gradient_sums: Tensor | None = None  # carried by the step's closing agreement
 
     def parameters(self) -> list[Tensor]:
         """The tracked parameters' values (this process's shards under FSDP), detached."""
@@ -115,13 +116,41 @@ class DataParallel:
             return [g / world.size for g in summed] if reduction == "mean" else summed
         weight = batch.sizes[world.rank] if reduction == "mean" else 1
         sums = [g * weight for g in local_gradients]
-        if packed:
+        if self._gradient_sums is not None:  # added by the block's closing agreement
+            flat, self._gradient_sums = self._gradient_sums, None
+            parts = flat.split([g.numel() for g in sums])
+            sums = [t.view_as(g).to(g.device, g.dtype) for t, g in zip(parts, sums, strict=True)]
+        elif packed:
             flat = torch.cat([g.reshape(-1) for g in local_gradients])
             *sums, self._ddp_average = _split(sum_over_processes(sums + [flat], world), params)
         else:
             sums = sum_over_processes(sums, world)
         total = batch.size or sum(batch.sizes)
         return [s / total for s in sums] if reduction == "mean" else sums
+
+    def closing(self, entry: Entry, part: Part | None, sizes: list[int]) -> list[Tensor]:
+        """What a block's closing agreement carries besides the flags: this process's gradient
+        sums sum_n grad l_n (N_r g_r for a mean; c divided out), as one flat float64 tensor,
+        at a single-batch step whose global gradient is not DDP's average (unequal batches, or
+        no DDP) outside no_sync, so that the gradient needs no all-reduce of its own; zeros of
+        that size from a process that raised (``part`` None); [] at any other step. Every
+        process decides alike, from every process's N_r (``sizes``)."""
+        if not entry.single or self.sharded or self._no_sync is not None:
+            return []
+        if self.ddp is not None and len(set(sizes)) == 1:
+            return []
+        if part is None:
+            count = sum(local(p).numel() for p in self.params)
+            return [torch.zeros(count, dtype=torch.float64, device=local(self.params[0]).device)]
+        c = part.scale()
+        weight = sizes[self.world.rank] if entry.reduction == "mean" else 1
+        gradients = zeros_where_none([unscaled(g, c) for g in part.gradients], self.params)
+        return [torch.cat([(g * weight).reshape(-1).to(torch.float64) for g in gradients])]
+
+    def carried(self, summed: list[Tensor]) -> None:
+        """Keep the gradient sums the block's closing agreement carried (see :meth:`closing`;
+        none: the step all-reduces them itself)."""
+        self._gradient_sums = summed[0] if summed else None
 
     def local_gradients(self, combined: Combined) -> list[Tensor] | None:
         """This process's gradient of its own loss, before any all-reduce (None where the
@@ -314,15 +343,28 @@ class Agreement:
         self.failed: list[int] | None = None  # the ranks that raised, once learnt
         self.backward_agreed = False
         self.ranks: Tensor | None = None
+        self.sizes: list[int] | None = None  # every process's N_i, from the first agreement
+        self.closing = None  # what the closing agreement carries (see agree)
+        self.carried: list[Tensor] = []
 
-    def agree(self, raised: bool) -> list[int]:
-        """The ranks whose block raised (this one's ``raised`` included); [] where none."""
+    def agree(self, raised: bool, part: Part | None = None) -> list[int]:
+        """The ranks whose block raised (this one's ``raised`` included); [] where none.
+
+        After the first agreement, the closing one also carries what ``closing(part, sizes)``
+        gives (``part`` None from a process that raised; :meth:`DataParallel.closing`), added
+        over the processes into ``carried``."""
         if self.failed is not None:
             return self.failed
-        table = all_processes(self._row(raised), self.world)
-        if self.ranks is None:
+        first = self.ranks is None
+        carried = [] if first or self.closing is None else self.closing(part, self.sizes)
+        table, *self.carried = sum_over_processes(
+            [self.world.slots(self._row(raised)), *carried], self.world
+        )
+        head = table[:, :2].tolist()  # (raised, N_i) per process: one host transfer
+        if first:
             self.ranks = table[:, 1:]
-        failed = [rank for rank, flag in enumerate(table[:, 0].tolist()) if flag]
+            self.sizes = [int(n) for _, n in head]
+        failed = [rank for rank, (flag, *_) in enumerate(head) if flag]
         if failed:
             self.failed = failed
         return failed
