@@ -159,3 +159,29 @@ def test_the_per_rank_view_adds_one_number_per_process_to_the_packed_sums(two_pr
     for calls, _, _, values in two_processes[3]:
         assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8, 2 * 8]  # ||g_r||^2 per rank
         assert sorted(values["Ranks"]) == ["batch_size", "grad_norm", "loss", "step_time"]
+
+
+def raising_after_backward(rank, world):
+    """Unequal shards; rank 1 raises after its backward at step 1: its closing agreement must
+    match the others' (the flags and the gradient sums' size) for them to learn of it."""
+    model, X, y, loss_fn = models.mlp(n=7)
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, [quantities.Loss(), quantities.GradNorm()])
+    X, y = (X[:3], y[:3]) if rank == 0 else (X[3:], y[3:])
+    for step in range(3):
+        losses = loss_fn(forward(X), y)
+        try:
+            with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+                losses.mean().backward()
+                if rank == 1 and step == 1:
+                    raise ValueError("the user's own error")
+        except (ValueError, RuntimeError) as error:
+            return type(error).__name__, str(error), sorted(cockpit.get_output())
+    return "finished"
+
+
+def test_a_rank_raising_at_a_step_with_unequal_shards_is_named(tmp_path):
+    (error0, message0, steps0), (error1, _, steps1) = on_ranks(raising_after_backward, 2, tmp_path)
+    assert (error0, error1) == ("RuntimeError", "ValueError")
+    assert "Step 1, micro-batch 0: the process(es) of rank 1 raised inside" in message0
+    assert steps0 == steps1 == [0]
