@@ -24,9 +24,11 @@ stage's work is in :mod:`avionics.step`, one concern per module.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from contextlib import contextmanager, suppress
+from functools import partial
 
 import torch
 from torch import nn
@@ -187,6 +189,7 @@ class Cockpit:
         else:
             self._processes = DataParallel(self.params, self._world, self._ddp, self._sharded)
         self._capture = None
+        self._since = time.perf_counter()  # when the last block ended (the per-rank view)
         self._accumulation: Accumulation | None = None  # the micro-batches seen of a step
         self._last_step: int | None = None  # the last step that finished
         self._restored = False  # whether load_state_dict ran
@@ -259,7 +262,10 @@ class Cockpit:
         capture, part, handles = self._record(entry)
         agreement = None
         if entry.active and self._world.size > 1:  # the processes learn of one that raises
-            agreement = Agreement(step, micro_batch, self.params, self._world)
+            agreement = Agreement(
+                step, micro_batch, self.params, self._world, entry.loss, entry.n, self._since
+            )
+            agreement.closing = partial(self._processes.closing, entry)
             handles += [p.register_hook(agreement.first_gradient) for p in self.params]
         with self._interruptible(step, capture, agreement):
             try:
@@ -271,7 +277,9 @@ class Cockpit:
                 if capture is not None:
                     capture.stop_recording()
             if agreement is not None:
-                agreement.raise_if_failed(agreement.agree(False))
+                agreement.raise_if_failed(agreement.agree(False, part))
+                part.ranks = agreement.ranks
+                self._processes.carried(agreement.carried)
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -315,14 +323,12 @@ class Cockpit:
                 step, entry.index, info, entry.reduction, entry.n, entry.parts
             )
         entry.loss = at_least_float32(info["loss"].detach())
-        if entry.single:
-            entry.batch = self._processes.batch(entry.loss, entry.reduction, entry.n)
-            self._processes.check_batch(step, entry.batch)
-            if checks.reads_forward(step, active):  # (on a finite loss only)
-                entry.batch = with_finiteness(entry.batch)
-            entry.finite = entry.batch.finite  # (on one process, else read after the backward)
-        else:  # decided over every process and micro-batch when the last one ends
-            entry.finite = bool(torch.isfinite(entry.loss))
+        # this process's; over every process it is decided when the step's last block ends
+        # (its agreement carries every process's loss and N_i)
+        entry.batch = self._processes.batch(entry.loss, entry.reduction, entry.n)
+        if not entry.single or checks.reads_forward(step, active):  # (on a finite loss only)
+            entry.batch = with_finiteness(entry.batch)
+        entry.finite = entry.batch.finite  # (None on one process until read after the backward)
         if entry.finite is not False:
             checks.check_loss_graphs(step, info, active, self._capture, self.model)
             checks.validate_forwards(step, info, active, self._capture, self.model, self.params)
@@ -362,6 +368,7 @@ class Cockpit:
         next one's forward), else finish the step."""
         parts = entry.parts if part is None else [*entry.parts, part]
         if not entry.last:  # the next micro-batch's forward comes next
+            self._since = time.perf_counter()
             self._accumulation = Accumulation(
                 entry.step, entry.k, entry.index, entry.active, parts, entry.request
             )
@@ -403,10 +410,14 @@ class Cockpit:
         """The active quantities' values, or the loss alone at a step whose loss or
         gradients are not finite."""
         step, active, request = entry.step, entry.active, entry.request
-        batch = entry.batch
-        if not entry.single:
+        if self._world.size > 1:
+            batch = self._processes.global_batch(parts, entry.reduction, combined.loss)
+        elif entry.single:
+            batch = entry.batch
+        else:
             batch = self._processes.batch(combined.loss, entry.reduction, combined.n)
         batch = settled(batch, combined)
+        self._processes.check_batch(step, batch)
         skipped = None if batch.finite else f"the loss is {float(batch.loss)}"
         finite = combined.gradients_finite
         if skipped is None and combined.scaled and finite is None:
@@ -564,6 +575,7 @@ class Cockpit:
 
     def _done(self, step: int) -> None:
         """``step`` is over (stored or not): arm for the next."""
+        self._since = time.perf_counter()
         self._last_step = step
         self._arm_for(step + 1)
 

@@ -7,14 +7,19 @@ info)`` with ``configuration("economy")`` tracking every step; steps alternate a
 The single-process ratio is measured in the same run (the same model on the whole batch, one
 process), since the target is that ratio + 0.1.
 
+The economy preset with the per-rank view (``Ranks``) is timed the same way, for its cost.
+
 Communication: every collective the cockpit makes goes through ``torch.distributed`` (DDP's own
 gradient all-reduce runs in its C++ reducer and is not counted). The benchmark records the
-elements of each of them during a tracked step, for the whole preset and for each quantity
-alone, beside the gradient all-reduce's size (the parameters' count); the same table is then
-computed for GPT-2 small (124,439,808 parameters, 12 layers) from the measured counts: a
-quantity's count is a constant, or proportional to the parameters (curvature, second moments).
+elements and bytes of each of them during a tracked step, for each preset, for economy with
+unequal shards and with the per-rank view, and for each quantity alone, beside the gradient
+all-reduce's size (the parameters' count); the same table is then computed for GPT-2 small
+(124,439,808 parameters, 12 layers) from the measured counts: a collective is small (a
+constant) or parameter-sized (curvature products, second moments, gradient sums). Last, the
+two ways of the per-rank view's exchange are timed on the group: slots in the one all_reduce,
+or an all_gather beside it.
 
-Run: ``python -m benchmarks.data_parallel`` (about two minutes), ``--no-write`` to print only.
+Run: ``python -m benchmarks.data_parallel`` (about five minutes), ``--no-write`` to print only.
 """
 
 from __future__ import annotations
@@ -34,37 +39,57 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from avionics import Cockpit, configuration, quantities
+from avionics.configurations import PRESETS
 from benchmarks.problems import PROBLEMS
 from benchmarks.report import machine, table, write_section
 
 GPT2_SMALL_PARAMETERS = 124_439_808
 WORLD = 2
-# Each quantity alone, for its share of the communication.
-ALONE = [
+# The presets, economy with the per-rank view, and each quantity alone.
+ROWS = [
+    *PRESETS, "economy + Ranks",
     "Loss", "GradNorm", "Distance", "UpdateSize", "NormTest", "InnerTest", "OrthoTest",
     "Alpha", "GradHist1d", "GradientNoiseScale", "MeanGSNR", "HessMaxEV", "HessTrace",
+    "TICTrace", "Ranks",
 ]  # fmt: skip
 
 
+# The torch.distributed collectives counted (DDP's reducer calls none of them).
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+    "broadcast_object_list", "reduce", "reduce_scatter_tensor", "all_to_all_single",
+)  # fmt: skip
+
+
 class Counted:
-    """Records the elements (and bytes) of every torch.distributed collective while on."""
+    """Records the elements and bytes of every torch.distributed collective while on."""
 
     def __init__(self):
         self.calls: list[tuple[int, int]] = []
         self.on = False
-        self._all_reduce = dist.all_reduce
+        self._original = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, function in self._original.items():
+            setattr(dist, name, self._counting(function))
 
-        def all_reduce(tensor, *args, **kwargs):
+    def _counting(self, function):
+        def counted(tensor, *args, **kwargs):
             if self.on:
-                self.calls.append((tensor.numel(), tensor.numel() * tensor.element_size()))
-            return self._all_reduce(tensor, *args, **kwargs)
+                tensors = tensor if isinstance(tensor, list) else [tensor]
+                tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+                elements = sum(t.numel() for t in tensors)
+                self.calls.append((elements, sum(t.numel() * t.element_size() for t in tensors)))
+            return function(tensor, *args, **kwargs)
 
-        dist.all_reduce = all_reduce
+        return counted
 
-    def take(self) -> tuple[int, int, int]:
-        """(collectives, elements, bytes) since the last take."""
+    def take(self) -> list[tuple[int, int]]:
+        """(elements, bytes) of each collective since the last take."""
         calls, self.calls = self.calls, []
-        return len(calls), sum(c for c, _ in calls), sum(b for _, b in calls)
+        return calls
+
+    def close(self) -> None:
+        for name, function in self._original.items():
+            setattr(dist, name, function)
 
 
 def _step(model, forward, cockpit, opt, X, y, loss_fn, k):
@@ -107,23 +132,56 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
     return statistics.median(tracked), statistics.median(plain_t)
 
 
-def _communication(problem, names, shard):
-    """(collectives, elements, bytes) of one tracked step (the second: the first arms)."""
+def _communication(problem, chosen, shard):
+    """(elements, bytes) of each collective of one tracked step (the third: the first arms)."""
     counted = Counted()
     model, X, y, loss_fn = PROBLEMS[problem]()
     X, y = X[shard], y[shard]
     forward = nn.parallel.DistributedDataParallel(model)
-    chosen = (
-        configuration("economy") if names is None else [getattr(quantities, n)() for n in names]
-    )
-    cockpit = Cockpit(forward, chosen)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    cockpit = Cockpit(forward, chosen())
+    # Adam: the transformer preset's PreconditionedSharpness reads its preconditioner
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     for k in range(3):
         counted.on = k == 2
         _step(model, forward, cockpit, opt, X, y, loss_fn, k)
     cockpit.close()
-    dist.all_reduce = counted._all_reduce
+    counted.close()
     return counted.take()
+
+
+def _small_collectives(sizes, repeats: int = 200) -> dict:
+    """Seconds per collective of the per-rank view's two ways on this group: the slots (each
+    process's k numbers in its own row of a [W, k] zero buffer) inside the step's all_reduce
+    of S sums, or an all_gather of the k numbers beside it (two collectives)."""
+    world = dist.get_world_size()
+    out = {}
+    for k, s in sizes:
+        slots = torch.zeros(world * k + s, dtype=torch.float64)
+        mine = torch.zeros(k, dtype=torch.float64)
+        gathered = [torch.zeros(k, dtype=torch.float64) for _ in range(world)]
+        sums = torch.zeros(s, dtype=torch.float64)
+        times = {"slots in the all_reduce": [], "all_reduce + all_gather": []}
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(slots)
+            t1 = time.perf_counter()
+            dist.all_reduce(sums)
+            dist.all_gather(gathered, mine)
+            t2 = time.perf_counter()
+            times["slots in the all_reduce"].append(t1 - t0)
+            times["all_reduce + all_gather"].append(t2 - t1)
+        out[(k, s)] = {way: statistics.median(t) for way, t in times.items()}
+    return out
+
+
+# Each preset, the economy preset with the per-rank view, and each quantity alone.
+def _chosen(name):
+    if name in PRESETS:
+        return lambda: configuration(name)
+    if name == "economy + Ranks":
+        return lambda: [*configuration("economy"), quantities.Ranks()]
+    return lambda: [getattr(quantities, name)()]
 
 
 def _rank(rank, port, problem, steps, warmup, out):
@@ -135,14 +193,19 @@ def _rank(rank, port, problem, steps, warmup, out):
     batch = len(PROBLEMS[problem]()[1])
     per = batch // WORLD
     shard = slice(rank * per, (rank + 1) * per)
+    # the unequal shards: rank 0 one sample fewer
+    unequal = slice(0, per - 1) if rank == 0 else slice(per, 2 * per)
     economy = lambda forward: Cockpit(forward, configuration("economy"))  # noqa: E731
+    viewed = lambda forward: Cockpit(forward, _chosen("economy + Ranks")())  # noqa: E731
     ddp = _timed(problem, economy, steps, warmup, shard, wrap=True)
-    rows = {"economy": _communication(problem, None, shard)}
-    for name in ALONE:
-        rows[name] = _communication(problem, [name], shard)
+    ddp_viewed = _timed(problem, viewed, steps, warmup, shard, wrap=True)
+    rows = {name: _communication(problem, _chosen(name), shard) for name in ROWS}
+    rows["economy, unequal shards"] = _communication(problem, _chosen("economy"), unequal)
+    small = _small_collectives([(4, 112), (4, 2048)])
     dist.destroy_process_group()
     if rank == 0:
-        torch.save({"ddp": ddp, "communication": rows}, out)
+        result = {"ddp": ddp, "viewed": ddp_viewed, "communication": rows, "small": small}
+        torch.save(result, out)
 
 
 def _free_port() -> int:
@@ -165,9 +228,27 @@ def run(problem: str, steps: int, warmup: int, out: str) -> dict:
     return result
 
 
+def _traffic_row(name, calls, dim):
+    """[name, collectives, small bytes, parameter-sized collectives, total bytes, GPT-2 small]:
+    a collective of at least the parameters' count is one parameter-sized exchange (the
+    gradient sums, a Hessian-vector product, second moments), scaled to GPT-2 small by
+    its elements per parameter."""
+    small = sum(b for e, b in calls if e < dim)
+    large = [(e, b) for e, b in calls if e >= dim]
+    per_parameter = sum(b / e for e, b in large)  # bytes per parameter, over the large ones
+    gpt2 = small + per_parameter * GPT2_SMALL_PARAMETERS
+    return [
+        name, str(len(calls)), f"{small:,} B", str(len(large)),
+        f"{sum(b for _, b in calls):,} B",
+        f"{gpt2 / 1e6:.1f} MB" if gpt2 >= 1e6 else f"{gpt2:,.0f} B",
+    ]  # fmt: skip
+
+
 def report(problem: str, result: dict) -> str:
     (tracked, plain), (s_tracked, s_plain) = result["ddp"], result["single"]
+    v_tracked, v_plain = result["viewed"]
     dim = result["parameters"]
+    communication = result["communication"]
     lines = [
         f"## Data parallelism: the cockpit beside a plain DDP step ({time.strftime('%Y-%m-%d')})",
         "",
@@ -177,16 +258,22 @@ def report(problem: str, result: dict) -> str:
         f"thread each ({machine()}):",
         "",
         table(
-            ["run", "plain step", "economy step", "ratio"],
+            ["run", "plain step", "tracked step", "ratio"],
             [
                 [
-                    f"DDP, {WORLD} processes",
+                    f"DDP, {WORLD} processes, economy",
                     f"{plain * 1e3:.1f} ms",
                     f"{tracked * 1e3:.1f} ms",
                     f"{tracked / plain:.2f}x",
                 ],
                 [
-                    "one process, whole batch",
+                    f"DDP, {WORLD} processes, economy + Ranks",
+                    f"{v_plain * 1e3:.1f} ms",
+                    f"{v_tracked * 1e3:.1f} ms",
+                    f"{v_tracked / v_plain:.2f}x",
+                ],
+                [
+                    "one process, whole batch, economy",
                     f"{s_plain * 1e3:.1f} ms",
                     f"{s_tracked * 1e3:.1f} ms",
                     f"{s_tracked / s_plain:.2f}x",
@@ -196,34 +283,76 @@ def report(problem: str, result: dict) -> str:
         "",
         f"Target: DDP ratio at most the single-process ratio + 0.1 "
         f"({s_tracked / s_plain + 0.1:.2f}x): "
-        f"{'met' if tracked / plain <= s_tracked / s_plain + 0.1 else 'not met'}.",
+        f"{'met' if tracked / plain <= s_tracked / s_plain + 0.1 else 'not met'}. The per-rank "
+        f"view (Ranks) costs {v_tracked / v_plain - tracked / plain:+.2f} of the plain step "
+        "(each ratio measured beside its own plain copy).",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
-        f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small); the GPT-2 small "
-        "column scales counts proportional to the parameters:",
+        f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small): every "
+        "torch.distributed collective it calls, counted; *small* is the bytes of those below "
+        "the parameters' count, *parameter-sized* the number of collectives of the parameters' "
+        "count or more (the GPT-2 small column scales those to its parameters):",
         "",
     ]
-    rows = []
-    for name, (calls, elements, nbytes) in result["communication"].items():
-        scaled = elements // dim if elements >= dim else 0
-        constant = elements - scaled * dim
-        gpt2 = (constant + scaled * GPT2_SMALL_PARAMETERS) * (nbytes // max(elements, 1))
-        rows.append(
-            [name, str(calls), f"{elements:,}", f"{nbytes:,} B",
-             f"{gpt2 / 1e6:.1f} MB" if gpt2 >= 1e6 else f"{gpt2:,} B"]
-        )  # fmt: skip
-    lines.append(table(["quantities", "collectives", "elements", "bytes", "GPT-2 small"], rows))
-    economy = result["communication"]["economy"][2]
+    rows = [_traffic_row(name, calls, dim) for name, calls in communication.items()]
+    lines.append(
+        table(
+            ["quantities", "collectives", "small", "parameter-sized", "bytes", "GPT-2 small"],
+            rows,
+        )
+    )
+    economy, unequal = (
+        sum(b for _, b in communication[name])
+        - dim * 8 * len([e for e, _ in communication[name] if e >= dim])
+        for name in ("economy", "economy, unequal shards")
+    )
+    hvp = communication["HessMaxEV"]
+    products = len([e for e, _ in hvp if e >= dim]) - 1  # less the gradient's, in no_sync
+    per_product = max((b for e, b in hvp if e >= dim), default=0)
     lines += [
         "",
-        "Each row's first collective is the step's loss and batch sizes (2 numbers per "
-        "process). The curvature quantities' steps run in DDP's no_sync(): one of their "
-        "parameter-sized all-reduces is the gradient's, which replaces DDP's (so HessTrace "
-        "adds its P sums, HessMaxEV one parameter-sized all-reduce per Hessian-vector "
-        "product); MeanGSNR sends the per-coordinate second moments, as its definition needs.",
+        "Every tracked step of several processes makes two small collectives of its agreement "
+        "(issue 28: each process learns of one that raised in its block, at the backward's "
+        "first gradient, before DDP's all-reduces, and at the block's end); the first carries "
+        "each process's batch size, loss and step time (4 float64 per process), the second a "
+        "flag per process. The quantities' sums then travel in one packed all-reduce. With "
+        "unequal shards the global mean gradient sum_r N_r g_r / N is not DDP's average (1/W) "
+        "sum_r g_r: the closing agreement carries the gradient sums too (float64, P numbers "
+        "beside the flags). Under DDP's no_sync() (the "
+        "curvature steps) one parameter-sized all-reduce is the gradient's, which replaces "
+        f"DDP's; each Hessian-vector product adds one parameter-sized all-reduce of float64 "
+        f"({per_product:,} B here, {GPT2_SMALL_PARAMETERS * 8 / 1e9:.2f} GB for GPT-2 small; "
+        f"HessMaxEV made {products} products at this step); HessTrace and TICTrace send their "
+        "diagonal (P sums), MeanGSNR the per-coordinate second moments, as their definitions "
+        "need.",
         "",
-        f"Target: economy adds at most 1 KB per step: {economy:,} B, "
-        f"{'met' if economy <= 1024 else 'not met'}.",
+        f"Target: economy adds at most 1 KB per step beyond the gradients (the gradient "
+        f"sums' P float64 left out): {economy:,} B with "
+        f"equal shards, {unequal:,} B with unequal ones, "
+        f"{'met' if max(economy, unequal) <= 1024 else 'not met'}.",
+        "",
+        f"Target: one collective per tracked economy step: "
+        f"{len(communication['economy'])} with equal shards, "
+        f"{len(communication['economy, unequal shards'])} with unequal ones, not met as "
+        "stated: the values share the agreement's two collectives, which a process that "
+        "raised must be able to join without knowing the step's sums (their size), and the "
+        "first of which must come before DDP's all-reduces.",
+        "",
+        "The per-rank view's way (median seconds per step's exchange on this gloo group): "
+        "each process's numbers in its slots of the step's one all_reduce, or an all_gather "
+        "of them beside the all_reduce of the sums:",
+        "",
+        table(
+            ["numbers per process, sums", *next(iter(result["small"].values()))],
+            [
+                [f"{k}, {s}", *(f"{t * 1e6:.0f} us" for t in times.values())]
+                for (k, s), times in result["small"].items()
+            ],
+        ),
+        "",
+        "The slots cost W x k numbers more in the one all_reduce (64 B on 2 processes) and "
+        "save a collective's latency; an all_gather of the whole packed vector would give "
+        "every process W x S numbers instead of S.",
     ]
     return "\n".join(lines)
 

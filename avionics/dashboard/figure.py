@@ -40,6 +40,7 @@ PANEL_QUANTITIES = {
 # Instruments of the "transformer" preset that have no primary panel: they take the place of
 # the empty panels, in this order, where the run recorded them.
 SUBSTITUTES = (
+    "Ranks",
     "UpdateRatio",
     "ActivationHealth dead",
     "ActivationHealth rms",
@@ -56,8 +57,11 @@ def substitute_panels(run) -> list:
     """Panels ``panel(fig, spec, run)`` of the :data:`SUBSTITUTES` the run recorded."""
     from avionics.dashboard.generic import generic_panel  # (they import this module)
     from avionics.dashboard.health import fraction_panel, rms_panel, update_ratio_panel
+    from avionics.dashboard.ranks import ranks_panel
+    from avionics.records.ranks import processes
 
     panels = {
+        "Ranks": ranks_panel if processes(run) > 1 else None,
         "UpdateRatio": update_ratio_panel,
         "ActivationHealth dead": lambda fig, spec, run: fraction_panel(
             fig, spec, run, "dead", "Dead units"
@@ -70,7 +74,8 @@ def substitute_panels(run) -> list:
             fig, spec, run, "PreconditionedSharpness"
         ),
     }
-    return [panels[key] for key in SUBSTITUTES if _recorded(run, key.split(" ")[0])]
+    recorded = [panels[key] for key in SUBSTITUTES if _recorded(run, key.split(" ")[0])]
+    return [panel for panel in recorded if panel is not None]
 
 
 def default_title(run) -> str:
@@ -87,10 +92,11 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
     or a live ``Cockpit``) and save it to ``path`` (.png, .pdf or .svg) if given.
 
     Every instrument is drawn; one without data is an empty, labelled panel that names the
-    quantity it needs, unless the run recorded an instrument of the "transformer" preset that
-    has no panel here (:data:`SUBSTITUTES`: UpdateRatio, ActivationHealth's dead fractions and
-    RMS, GradientNoiseScale, PreconditionedSharpness), which takes its place, in order. So a
-    preset's own dashboard shows each of its instruments. Histograms show the latest step that
+    quantity it needs, unless the run recorded an instrument that has no panel here
+    (:data:`SUBSTITUTES`: the per-rank view of several processes, and the "transformer"
+    preset's UpdateRatio, ActivationHealth's dead fractions and RMS, GradientNoiseScale,
+    PreconditionedSharpness), which takes its place, in order. So a preset's own dashboard
+    shows each of its instruments. Histograms show the latest step that
     has one.
     """
     run = as_run(source)

@@ -10,6 +10,7 @@ from avionics.diagnosis.anomalies import non_finite_values, spikes
 from avionics.diagnosis.finding import Finding
 from avionics.diagnosis.layers import dead_units, saturated_units, update_ratio_out_of_range
 from avionics.diagnosis.noise import cabs_batch_size, early_stopping, gradient_noise
+from avionics.diagnosis.ranks import outlier_shards, straggler_ranks
 from avionics.diagnosis.step_size import (
     edge_of_stability,
     step_size_too_large,
@@ -29,6 +30,8 @@ CHECKS = (
     update_ratio_out_of_range,
     dead_units,
     saturated_units,
+    straggler_ranks,
+    outlier_shards,
 )
 # What each group of checks reads; a group is "not checked" when none of them was recorded.
 NEEDS = {
@@ -40,7 +43,10 @@ NEEDS = {
     "loss and gradient-norm spikes": ("Loss", "GradNorm"),
     "update-to-weight ratio": ("UpdateRatio",),
     "dead and saturated activations": ("ActivationHealth",),
+    "stragglers and outlier shards": ("Ranks",),
 }
+# Groups that apply to a run of several processes only (its metadata's world_size > 1).
+DATA_PARALLEL = ("stragglers and outlier shards",)
 
 
 def diagnose(source) -> list[Finding]:
@@ -68,7 +74,12 @@ def report(source, findings: list[Finding] | None = None) -> str:
     else:
         lines.append("No problems found by the checks that had data.")
     recorded = set(run.names)
-    missing = [group for group, names in NEEDS.items() if not recorded & set(names)]
+    several = (run.metadata.get("world_size") or 1) > 1
+    missing = [
+        group
+        for group, names in NEEDS.items()
+        if not recorded & set(names) and (several or group not in DATA_PARALLEL)
+    ]
     if missing:
         lines.append(
             "Not checked, no data: "

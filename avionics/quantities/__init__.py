@@ -29,6 +29,7 @@ from avionics.quantities.outputs import (
 )
 from avionics.quantities.parameters import Parameters
 from avionics.quantities.preconditioned_sharpness import PreconditionedSharpness
+from avionics.quantities.ranks import Ranks
 from avionics.quantities.update_ratio import UpdateRatio
 from avionics.quantities.update_size import UpdateSize
 from avionics.quantities.variance import CABS, EarlyStopping, MeanGSNR
@@ -55,6 +56,7 @@ BUILTIN = (
     OrthoTest,
     Parameters,
     PreconditionedSharpness,
+    Ranks,
     SimpleNoiseScale,
     TICDiag,
     TICTrace,
@@ -93,6 +95,7 @@ __all__ = [
     "Parameters",
     "PreconditionedSharpness",
     "Quantity",
+    "Ranks",
     "Request",
     "SCALAR",
     "SimpleNoiseScale",

@@ -94,6 +94,9 @@ class StepData:
         world: the processes the batch is split over (:data:`~avionics.distributed.SINGLE`
             without data parallelism).
         batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
+        ranks: under data parallelism, per process (N_r, its own loss L_r as reduced, the
+            seconds of its step outside the collectives), [W, 3] float64, from the step's
+            agreement (:class:`~avionics.step.parallel.Agreement`); None with one process.
         totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
         local_grads: under data parallelism, this process's gradient of its own loss (before
             any all-reduce), per tracked parameter; None with one process.
@@ -128,6 +131,7 @@ class StepData:
     shared: dict[str, Any] = field(default_factory=dict)
     world: World = SINGLE
     batch_sizes: tuple[int, ...] = ()
+    ranks: Tensor | None = None
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
     local_grads: list[Tensor] | None = None
     sharded: bool = False

@@ -119,7 +119,7 @@ TENSORS = Output("tensors")
 # How the values of the built-in quantities read (each class's ``output``; a test checks that
 # they agree), for logs whose metadata does not say.
 BUILTIN_OUTPUTS: dict[str, Output] = {
-    **dict.fromkeys(("ActivationHealth", "LossOutliers", "Parameters"), TENSORS),
+    **dict.fromkeys(("ActivationHealth", "LossOutliers", "Parameters", "Ranks"), TENSORS),
     **dict.fromkeys(("Distance", "GradNorm", "UpdateSize"), per_parameter("rss")),
     "GradHist1d": HISTOGRAM_1D,
     "GradHist2d": HISTOGRAM_2D,

@@ -55,6 +55,7 @@ def compute(
         active=tuple(active),
         world=world,
         batch_sizes=batch.sizes,
+        ranks=batch.ranks,
         sharded=processes.sharded,
         micro_batches=combined.micro_batches,
         local_grads=processes.local_gradients(combined),

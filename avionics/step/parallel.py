@@ -1,27 +1,30 @@
 """Data parallelism: every value of the global batch, the concatenation of the processes'.
 
 :class:`DataParallel` has the methods of :class:`~avionics.step.batch.OneProcess`, each
-over every process: the global batch's loss and size (one collective of two numbers per
-process), the global gradient (DDP's average where it is the global mean's, else one
-all-reduce of the processes' gradient sums), the quantities' sums added in one packed
-all-reduce, and, for a step run in DDP's ``no_sync()`` (one that differentiates the gradient
-again, which DDP refuses), DDP's average made by the cockpit. Under FSDP (``fully_shard``) the
-quantities of :data:`SHARDED_QUANTITIES` are computed from the shards (:func:`sharded`).
+over every process: the global batch's loss and sizes (carried by the step's agreement,
+:class:`Agreement`, whose collectives every tracked block makes to learn of a process that
+raised: no collective of their own), the global gradient (DDP's average where it is the
+global mean's, else one all-reduce of the processes' gradient sums), the quantities' sums
+added in one packed all-reduce, and, for a step run in DDP's ``no_sync()`` (one that
+differentiates the gradient again, which DDP refuses), DDP's average made by the cockpit.
+Under FSDP (``fully_shard``) the quantities of :data:`SHARDED_QUANTITIES` are computed from
+the shards (:func:`sharded`).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from avionics.distributed import World, all_processes, sum_over_processes
+from avionics.distributed import World, sum_over_processes
 from avionics.persample import Request, Statistics
 from avionics.persample.request import MEAN_GRADIENT
 from avionics.step.batch import local, zeros_where_none
 from avionics.step.precision import all_finite, unscaled
-from avionics.step.values import Batch, Combined
+from avionics.step.values import Batch, Combined, Entry, Part
 
 # What a cockpit computes on parameters FSDP shards (each process holds a shard of each).
 SHARDED_QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "Time")
@@ -35,29 +38,39 @@ class DataParallel:
         self.params, self.world, self.ddp, self.sharded = params, world, ddp, sharded
         self._no_sync = None  # DDP's no_sync(), while entered
         self._ddp_average: list[Tensor] | None = None
+        self._gradient_sums: Tensor | None = None  # carried by the step's closing agreement
 
     def parameters(self) -> list[Tensor]:
         """The tracked parameters' values (this process's shards under FSDP), detached."""
         return [local(p).detach() for p in self.params]
 
     def batch(self, loss: Tensor, reduction: str, n: int | None) -> Batch:
-        """The step's loss, batch size and finiteness over every process (one collective of
-        two numbers per process when there are several)."""
-        world = self.world
-        if world.size == 1:
-            return Batch(loss, n, (n,), bool(torch.isfinite(loss)))
-        mine = torch.tensor([float(n or 1), float(loss)], dtype=torch.float64)
-        sizes, losses = all_processes(mine, world).unbind(1)
-        total = int(sizes.sum())
-        if reduction == "mean":  # the mean over all samples: sum_r N_r L_r / N
-            global_loss = (sizes * losses).sum() / total
+        """This process's loss, batch size and finiteness (no collective: the global batch
+        comes with the step's agreement, :meth:`global_batch`)."""
+        return Batch(loss, n, (n,), bool(torch.isfinite(loss)))
+
+    def global_batch(self, parts: list[Part], reduction: str, like: Tensor) -> Batch:
+        """The step's batch over every process, from the rows its micro-batches' agreements
+        gathered (:data:`ROW`; no further collective): N_r = sum_i N_ri, the loss
+        sum_r sum_i N_ri L_ri / N for a mean (sum_r sum_i L_ri for a sum), finite when every
+        L_ri is, and per process (N_r, L_r, its time) for the per-rank view."""
+        rows = [part.ranks for part in parts]  # each [W, 3]: ROW[1:]
+        sizes = sum(r[:, 0] for r in rows)
+        if reduction == "mean":  # L_r = sum_i N_ri L_ri / N_r, the loss sum_r N_r L_r / N
+            totals = sum(r[:, 0] * r[:, 1] for r in rows)
+            losses, loss = totals / sizes, totals.sum() / sizes.sum()
         else:
-            global_loss = losses.sum()
+            losses = sum(r[:, 1] for r in rows)
+            loss = losses.sum()
+        finite = torch.isfinite(torch.stack([r[:, 1] for r in rows])).all()
+        known = all(part.n is not None for part in parts)
+        counts = [int(s) for s in sizes.tolist()]
         return Batch(
-            global_loss.to(loss),
-            total if n is not None else None,
-            tuple(int(s) for s in sizes.tolist()),
-            bool(torch.isfinite(losses).all()),
+            loss.to(like),
+            sum(counts) if known else None,
+            tuple(counts),
+            bool(finite),
+            ranks=torch.stack([sizes, losses, sum(r[:, 2] for r in rows)], 1),
         )
 
     def check_batch(self, step: int, batch: Batch) -> None:
@@ -103,13 +116,41 @@ class DataParallel:
             return [g / world.size for g in summed] if reduction == "mean" else summed
         weight = batch.sizes[world.rank] if reduction == "mean" else 1
         sums = [g * weight for g in local_gradients]
-        if packed:
+        if self._gradient_sums is not None:  # added by the block's closing agreement
+            flat, self._gradient_sums = self._gradient_sums, None
+            parts = flat.split([g.numel() for g in sums])
+            sums = [t.view_as(g).to(g.device, g.dtype) for t, g in zip(parts, sums, strict=True)]
+        elif packed:
             flat = torch.cat([g.reshape(-1) for g in local_gradients])
             *sums, self._ddp_average = _split(sum_over_processes(sums + [flat], world), params)
         else:
             sums = sum_over_processes(sums, world)
         total = batch.size or sum(batch.sizes)
         return [s / total for s in sums] if reduction == "mean" else sums
+
+    def closing(self, entry: Entry, part: Part | None, sizes: list[int]) -> list[Tensor]:
+        """What a block's closing agreement carries besides the flags: this process's gradient
+        sums sum_n grad l_n (N_r g_r for a mean; c divided out), as one flat float64 tensor,
+        at a single-batch step whose global gradient is not DDP's average (unequal batches, or
+        no DDP) outside no_sync, so that the gradient needs no all-reduce of its own; zeros of
+        that size from a process that raised (``part`` None); [] at any other step. Every
+        process decides alike, from every process's N_r (``sizes``)."""
+        if not entry.single or self.sharded or self._no_sync is not None:
+            return []
+        if self.ddp is not None and len(set(sizes)) == 1:
+            return []
+        if part is None:
+            count = sum(local(p).numel() for p in self.params)
+            return [torch.zeros(count, dtype=torch.float64, device=local(self.params[0]).device)]
+        c = part.scale()
+        weight = sizes[self.world.rank] if entry.reduction == "mean" else 1
+        gradients = zeros_where_none([unscaled(g, c) for g in part.gradients], self.params)
+        return [torch.cat([(g * weight).reshape(-1).to(torch.float64) for g in gradients])]
+
+    def carried(self, summed: list[Tensor]) -> None:
+        """Keep the gradient sums the block's closing agreement carried (see :meth:`closing`;
+        none: the step all-reduces them itself)."""
+        self._gradient_sums = summed[0] if summed else None
 
     def local_gradients(self, combined: Combined) -> list[Tensor] | None:
         """This process's gradient of its own loss, before any all-reduce (None where the
@@ -265,30 +306,79 @@ def _check_fsdp_placements(model: nn.Module, distributed: list) -> None:
         )
 
 
+# What each process sends at a tracked micro-batch's first agreement: one row of the slots
+# (:meth:`~avionics.distributed.World.slots`), the same size whether its block raised or not;
+# its later agreement sends the first column only (every process knows it took part in the
+# first one). L_i finite is read from the sums (a non-finite L_i leaves its own slot so).
+ROW = ("raised", "batch size N_i", "loss L_i", "seconds since the last block")
+
+
 class Agreement:
     """Whether every process got through micro-batch ``index`` of ``step``'s block: each
-    process takes part in the same small collectives (a flag per process, summed), once at its
-    backward's first gradient of a tracked parameter (before DDP's collectives of that
-    backward) and once when its block ends, normally or by an exception; a process that has
-    learnt of a failure takes part in no further one. So the processes still running learn
-    which rank raised, at which step, instead of a collective mismatch."""
+    process takes part in the same small collectives (a row of :data:`ROW` per process,
+    summed), once at its backward's first gradient of a tracked parameter (before DDP's
+    collectives of that backward) and once when its block ends, normally or by an exception;
+    a process that has learnt of a failure takes part in no further one. So the processes
+    still running learn which rank raised, at which step, instead of a collective mismatch.
 
-    def __init__(self, step: int, index: int, params: list, world: World):
+    The same collectives carry the micro-batch's size N_i and loss L_i (``loss``, ``n``) and
+    the seconds since ``since`` (the end of the process's previous block, read at its first
+    agreement: its optimizer step, data loading and forward, which no collective of the step
+    waits in). ``ranks``: every process's (N_i, L_i, seconds), [W, 3], from the first
+    agreement; the step's global batch is made of them (no collective of its own)."""
+
+    def __init__(
+        self,
+        step: int,
+        index: int,
+        params: list,
+        world: World,
+        loss: Tensor,
+        n: int | None,
+        since: float,
+    ):
         self.step, self.index, self.world = step, index, world
         self.device = local(params[0]).device
+        self.loss, self.n, self.since = loss, n, since
         self.failed: list[int] | None = None  # the ranks that raised, once learnt
         self.backward_agreed = False
+        self.ranks: Tensor | None = None
+        self.sizes: list[int] | None = None  # every process's N_i, from the first agreement
+        self.closing = None  # what the closing agreement carries (see agree)
+        self.carried: list[Tensor] = []
 
-    def agree(self, raised: bool) -> list[int]:
-        """The ranks whose block raised (this one's ``raised`` included); [] where none."""
+    def agree(self, raised: bool, part: Part | None = None) -> list[int]:
+        """The ranks whose block raised (this one's ``raised`` included); [] where none.
+
+        After the first agreement, the closing one also carries what ``closing(part, sizes)``
+        gives (``part`` None from a process that raised; :meth:`DataParallel.closing`), added
+        over the processes into ``carried``."""
         if self.failed is not None:
             return self.failed
-        mine = torch.tensor([float(raised)], dtype=torch.float64, device=self.device)
-        flags = all_processes(mine, self.world)[:, 0].tolist()
-        failed = [rank for rank, flag in enumerate(flags) if flag]
+        first = self.ranks is None
+        carried = [] if first or self.closing is None else self.closing(part, self.sizes)
+        table, *self.carried = sum_over_processes(
+            [self.world.slots(self._row(raised)), *carried], self.world
+        )
+        head = table[:, :2].tolist()  # (raised, N_i) per process: one host transfer
+        if first:
+            self.ranks = table[:, 1:]
+            self.sizes = [int(n) for _, n in head]
+        failed = [rank for rank, (flag, *_) in enumerate(head) if flag]
         if failed:
             self.failed = failed
         return failed
+
+    def _row(self, raised: bool) -> Tensor:
+        """This process's row of :data:`ROW` on the parameters' device (its first column only
+        once the first agreement has been made)."""
+        if self.ranks is not None:
+            return torch.tensor([float(raised)], dtype=torch.float64, device=self.device)
+        seconds = time.perf_counter() - self.since
+        loss = self.loss.detach().reshape(1).to(self.device, torch.float64)
+        head = torch.tensor([float(raised), float(self.n or 1)], dtype=torch.float64)
+        tail = torch.tensor([seconds], dtype=torch.float64)
+        return torch.cat([head.to(self.device), loss, tail.to(self.device)])
 
     def first_gradient(self, grad: Tensor) -> None:
         """A hook on each tracked parameter: at the backward's first gradient of one (before

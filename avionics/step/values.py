@@ -20,12 +20,15 @@ if TYPE_CHECKING:
 class Batch:
     """The step's batch over every process: the loss as reduced, N (None when unknown), N_r
     per process, and whether every process's loss is finite (None on one process until it is
-    read, with the backward's scale)."""
+    read, with the backward's scale); under data parallelism ``ranks``, per process (N_r, its
+    loss L_r as reduced, the seconds its blocks took from the end of the block before to their
+    first agreement), [W, 3] float64."""
 
     loss: Tensor
     size: int | None
     sizes: tuple
     finite: bool | None
+    ranks: Tensor | None = None
 
 
 @dataclass
@@ -60,7 +63,9 @@ class Part:
     """One micro-batch of a step, as its block left it: its info, reduction, N_i and loss,
     its capture (None when nothing was captured), the gradient each parameter received in
     its backward (``gradients``, detached; ``graph`` with its graph, for the curvature
-    quantities), and the gradient that arrived at its ``info["loss"]``."""
+    quantities), the gradient that arrived at its ``info["loss"]``, and under data
+    parallelism every process's row of its agreement (``ranks``,
+    :class:`~avionics.step.parallel.Agreement`)."""
 
     info: dict
     reduction: str
@@ -70,6 +75,7 @@ class Part:
     gradients: list[Tensor | None] | None = None
     graph: list[Tensor | None] | None = None
     loss_gradient: Tensor | None = None
+    ranks: Tensor | None = None
 
     def scale(self, read: float | None = None) -> float:
         """c: the backward was of c * info["loss"] (1 where no gradient reached the loss, as

@@ -1,0 +1,187 @@
+"""What the cockpit sends under DDP per tracked step (issue 29, traffic; issue 26, one
+collective): every torch.distributed collective is counted in real spawned gloo processes (DDP's
+own gradient all-reduce runs in its C++ reducer and is not among them), by calls and bytes.
+
+Per tracked single-batch step of the economy preset on 2 processes: the two collectives of the
+step's agreement (issue 28: each process learns of one that raised in its block), which carry
+the batch sizes and losses too (W x 4 float64 at the backward's first gradient, W at the
+block's end), and one packed all-reduce of the quantities' sums: 976 B in all (was 4
+collectives, 960 B, with the sizes and losses in a collective of their own). With unequal
+shards the global mean gradient, sum_r N_r g_r / N, is not DDP's average: the closing
+agreement carries the gradient sums too (was a fifth collective).
+"""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+import torch.distributed as dist
+from spawned import on_ranks
+from torch import nn
+
+from avionics import Cockpit, configuration, quantities
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+)
+BYTES_BEYOND_GRADIENTS = 1024
+
+
+class Counted:
+    """Every torch.distributed collective while ``on``: (name, bytes of its tensor, None for
+    an object collective). Restores the functions on ``close``."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, int | None]] = []
+        self.on = False
+        self._original = {name: getattr(dist, name) for name in COLLECTIVES}
+        for name, function in self._original.items():
+            setattr(dist, name, self._counting(name, function))
+
+    def _counting(self, name, function):
+        def counted(*args, **kwargs):
+            if self.on:
+                tensor = args[0] if args else None
+                size = None
+                if isinstance(tensor, torch.Tensor):
+                    size = tensor.numel() * tensor.element_size()
+                elif isinstance(tensor, list) and tensor and isinstance(tensor[0], torch.Tensor):
+                    size = sum(t.numel() * t.element_size() for t in tensor)
+                self.calls.append((name, size))
+            return function(*args, **kwargs)
+
+        return counted
+
+    def close(self):
+        for name, function in self._original.items():
+            setattr(dist, name, function)
+
+
+def counted_step(rank, world, sizes, names):
+    """The collectives of the third tracked step (the first arms, the second is warm), and the
+    tensors' devices seen by them."""
+    devices = set()
+    original = dist.all_reduce
+
+    def all_reduce(tensor, *args, **kwargs):
+        devices.add(str(tensor.device))
+        return original(tensor, *args, **kwargs)
+
+    dist.all_reduce = all_reduce
+    counted = Counted()
+    try:
+        model, X, y, loss_fn = models.mlp(n=sum(sizes))
+        start = sum(sizes[:rank])
+        X, y = X[start : start + sizes[rank]], y[start : start + sizes[rank]]
+        forward = nn.parallel.DistributedDataParallel(model)
+        chosen = [getattr(quantities, name)() for name in names or ()]
+        cockpit = Cockpit(forward, chosen if names else configuration("economy"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(3):
+            counted.on = step == 2
+            opt.zero_grad()
+            losses = loss_fn(forward(X), y)
+            info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(X)}
+            info["optimizer"] = opt
+            with cockpit(step, info=info):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+        parameters = sum(p.numel() for p in model.parameters())
+        return list(counted.calls), parameters, devices, cockpit.get_output()[2]
+    finally:
+        counted.close()
+        dist.all_reduce = original
+
+
+def scenarios(rank, world, cases):
+    """Every case in one spawn (starting processes is what costs)."""
+    return [counted_step(rank, world, sizes, names) for sizes, names in cases]
+
+
+CASES = [((3, 3), None), ((3, 4), None), ((3, 3), ("Loss",)), ((3, 3), ("Loss", "Ranks"))]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """Per case, rank 0's and rank 1's (collectives, parameters, devices, values)."""
+    results = on_ranks(scenarios, 2, tmp_path_factory.mktemp("traffic"), CASES)
+    return [list(case) for case in zip(*results)]
+
+
+def check_equal_shards(results, world):
+    for calls, _, devices, _ in results:
+        assert [name for name, _ in calls] == ["all_reduce"] * 3
+        first, closing, _ = (size for _, size in calls)
+        assert first == world * 4 * 8  # (raised, N_r, L_r, seconds) per process, float64
+        assert closing == world * 8  # the block's end: raised, per process
+        assert sum(size for _, size in calls) <= BYTES_BEYOND_GRADIENTS
+        assert devices == {"cpu"}  # the parameters' device (NCCL: the CUDA tensors)
+
+
+def test_economy_sends_three_small_all_reduces_with_equal_shards(two_processes):
+    check_equal_shards(two_processes[0], 2)
+
+
+def test_with_three_processes_too(tmp_path):
+    (results,) = zip(*on_ranks(scenarios, 3, tmp_path, [((3, 3, 3), None)]))
+    check_equal_shards(results, 3)
+
+
+def test_unequal_shards_carry_the_gradient_sums_in_the_closing_agreement(two_processes):
+    for calls, parameters, _, _ in two_processes[1]:
+        assert [name for name, _ in calls] == ["all_reduce"] * 3
+        first, closing, _ = (size for _, size in calls)
+        assert first == 2 * 4 * 8
+        assert closing == 2 * 8 + parameters * 8  # the flags and sum_r N_r g_r, float64
+        assert sum(size for _, size in calls) - parameters * 8 <= BYTES_BEYOND_GRADIENTS
+
+
+def test_loss_alone_sends_the_agreement_only(two_processes):
+    for calls, _, _, values in two_processes[2]:
+        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8]
+        assert "Loss" in values
+
+
+def test_the_per_rank_view_adds_one_number_per_process_to_the_packed_sums(two_processes):
+    for calls, _, _, values in two_processes[3]:
+        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8, 2 * 8]  # ||g_r||^2 per rank
+        assert sorted(values["Ranks"]) == ["batch_size", "grad_norm", "loss", "step_time"]
+
+
+def raising_after_backward(rank, world):
+    """Unequal shards; rank 1 raises after its backward at step 1: its closing agreement must
+    match the others' (the flags and the gradient sums' size) for them to learn of it."""
+    model, X, y, loss_fn = models.mlp(n=7)
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, [quantities.Loss(), quantities.GradNorm()])
+    X, y = (X[:3], y[:3]) if rank == 0 else (X[3:], y[3:])
+    for step in range(3):
+        losses = loss_fn(forward(X), y)
+        try:
+            with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+                losses.mean().backward()
+                if rank == 1 and step == 1:
+                    raise ValueError("the user's own error")
+        except (ValueError, RuntimeError) as error:
+            return type(error).__name__, str(error), sorted(cockpit.get_output())
+    return "finished"
+
+
+def test_a_rank_raising_at_a_step_with_unequal_shards_is_named(tmp_path):
+    (error0, message0, steps0), (error1, _, steps1) = on_ranks(raising_after_backward, 2, tmp_path)
+    assert (error0, error1) == ("RuntimeError", "ValueError")
+    assert "Step 1, micro-batch 0: the process(es) of rank 1 raised inside" in message0
+    assert steps0 == steps1 == [0]
