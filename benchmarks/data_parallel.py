@@ -1,4 +1,4 @@
-"""The cockpit under data parallelism: its cost beside a plain DDP step, and what it sends.
+"""The cockpit under data parallelism: its cost beside a plain DDP or FSDP2 step, what it sends.
 
 Two gloo processes on this machine (one torch thread each) train two copies of a model side by
 side, each wrapped in DistributedDataParallel: one plainly, one inside ``with cockpit(step,
@@ -86,7 +86,7 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
     if shard is not None:
         X, y = X[shard], y[shard]
     plain = copy.deepcopy(model)
-    forwards = [nn.parallel.DistributedDataParallel(m) if wrap else m for m in (model, plain)]
+    forwards = [_wrapped(m, wrap) for m in (model, plain)]
     cockpit = make_cockpit(forwards[0])
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, plain)]
     tracked, plain_t = [], []
@@ -105,6 +105,19 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
             tracked.append(t2 - t1)
     cockpit.close()
     return statistics.median(tracked), statistics.median(plain_t)
+
+
+def _wrapped(model, wrap):
+    """``model`` in DDP (``wrap`` True), sharded by FSDP2 (``"fsdp"``: fully_shard of each
+    child with parameters, then of the model), or as it is."""
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+        return fully_shard(model)
+    return nn.parallel.DistributedDataParallel(model) if wrap else model
 
 
 def _communication(problem, names, shard):
@@ -137,12 +150,13 @@ def _rank(rank, port, problem, steps, warmup, out):
     shard = slice(rank * per, (rank + 1) * per)
     economy = lambda forward: Cockpit(forward, configuration("economy"))  # noqa: E731
     ddp = _timed(problem, economy, steps, warmup, shard, wrap=True)
+    fsdp = _timed(problem, economy, steps, warmup, shard, wrap="fsdp")
     rows = {"economy": _communication(problem, None, shard)}
     for name in ALONE:
         rows[name] = _communication(problem, [name], shard)
     dist.destroy_process_group()
     if rank == 0:
-        torch.save({"ddp": ddp, "communication": rows}, out)
+        torch.save({"ddp": ddp, "fsdp": fsdp, "communication": rows}, out)
 
 
 def _free_port() -> int:
@@ -186,6 +200,12 @@ def report(problem: str, result: dict) -> str:
                     f"{tracked / plain:.2f}x",
                 ],
                 [
+                    f"FSDP2 (fully_shard), {WORLD} processes",
+                    f"{result['fsdp'][1] * 1e3:.1f} ms",
+                    f"{result['fsdp'][0] * 1e3:.1f} ms",
+                    f"{result['fsdp'][0] / result['fsdp'][1]:.2f}x",
+                ],
+                [
                     "one process, whole batch",
                     f"{s_plain * 1e3:.1f} ms",
                     f"{s_tracked * 1e3:.1f} ms",
@@ -197,6 +217,12 @@ def report(problem: str, result: dict) -> str:
         f"Target: DDP ratio at most the single-process ratio + 0.1 "
         f"({s_tracked / s_plain + 0.1:.2f}x): "
         f"{'met' if tracked / plain <= s_tracked / s_plain + 0.1 else 'not met'}.",
+        "",
+        "FSDP2: each child of the model with parameters and the model sharded by "
+        "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
+        "that read them (none in this mlp), one all-gather of the directions the per-sample "
+        "statistics project onto per statistics call (the mean gradient; Alpha's update, at "
+        "optimizer.step() and at the next step) and a few small all-reduces.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small); the GPT-2 small "

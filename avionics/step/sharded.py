@@ -38,6 +38,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from avionics.distributed import World, collective_device, sum_over_processes
+from avionics.persample.rules import rule_for
+from avionics.persample.rules.attention import AttentionRule
+from avionics.persample.rules.generic import GenericRule
+from avionics.persample.rules.recurrent import RecurrentRule
 from avionics.step.batch import local
 from avionics.step.parallel import DataParallel
 from avionics.step.values import Batch, Combined
@@ -146,12 +150,16 @@ class Sharded(DataParallel):
         return leaves
 
     @contextmanager
-    def unsharded(self, engine, values: list[Tensor] | None = None):
-        """The whole parameters on their modules while the per-sample engine runs (its rules
-        for nn.MultiheadAttention and the generic rule read them): FSDP's ``unshard()`` of
-        every FSDP module (one all-gather per module, as in its forward), ``reshard()``
-        after. With ``values`` (theta_t, whole), those are the parameters' values meanwhile.
-        The engine knows the unsharded parameters as the tracked ones they stand for."""
+    def unsharded(self, engine, contributions, values: list[Tensor] | None = None):
+        """The whole parameters on their modules while the per-sample engine runs, where a
+        rule of ``contributions`` reads them (:func:`reads_parameters`): FSDP's
+        ``unshard()`` of every FSDP module (one all-gather per module, as in its forward),
+        ``reshard()`` after. With ``values`` (theta_t, whole), those are the parameters'
+        values meanwhile. The engine knows the unsharded parameters as the tracked ones they
+        stand for. Where no rule reads them: nothing."""
+        if not reads_parameters(contributions):
+            yield
+            return
         for module in self._modules:
             module.unshard()
         leaves = self.leaves()
@@ -202,7 +210,9 @@ class ShardedEngine:
         return getattr(self._engine, name)
 
     def step(self, *args, **kwargs) -> ShardedCapturedStep:
-        with self._processes.unsharded(self._engine):
+        calls, n = args[:2]
+        contributions = self._engine.contributions(calls, n, captured_backward=True)
+        with self._processes.unsharded(self._engine, contributions):
             step = self._engine.step(*args, **kwargs)
         return ShardedCapturedStep(step, self._processes)
 
@@ -228,8 +238,23 @@ class ShardedCapturedStep:
         whole = self._processes.layout.gather(shards, indices)
         wholes = {name: whole[i * count : (i + 1) * count] for i, name in enumerate(names)}
         kept = whole[len(names) * count :] if params is not None else None
-        with self._processes.unsharded(self._captured.engine, kept):
+        engine, contributions = self._captured.engine, self._captured.contributions
+        with self._processes.unsharded(engine, contributions, kept):
             return self._captured.statistics(request, wholes, kept)
+
+
+def reads_parameters(contributions: list[list[tuple[nn.Module, str]]]) -> bool:
+    """Whether a rule of the per-sample engine for ``contributions`` (the (module, name)
+    pairs of each parameter) reads the parameters' values: the closed forms of
+    nn.MultiheadAttention and the recurrent layers, and the generic rule, which re-runs the
+    module's forward. The others (Linear, convolutions, normalizations, embeddings, ...)
+    need only the captured layer inputs and output gradients."""
+    names: dict[nn.Module, list[str]] = {}
+    for pairs in contributions:
+        for module, name in pairs:
+            names.setdefault(module, []).append(name)
+    reading = (AttentionRule, GenericRule, RecurrentRule)
+    return any(rule_for(module, owned) in reading for module, owned in names.items())
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
