@@ -62,11 +62,27 @@ def one_rank(rank, world, architecture, names, sizes, nested, log, reduction="me
 
 
 def scenarios_on_ranks(rank, world, scenarios, tmp):
-    """Every scenario in one spawn (starting processes is what costs)."""
-    return [
+    """Every scenario and, on 2 processes, the refusals, in one spawn (starting processes is
+    what costs)."""
+    outputs = [
         one_rank(rank, world, *scenario[:4], f"{tmp}/{k}/run", *scenario[4:])
         for k, scenario in enumerate(scenarios)
     ]
+    return outputs, refusals_on_rank(rank, world) if world == 2 else None
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """{world: (its directory, every process's scenarios_on_ranks)}, spawned once a world."""
+    runs = {}
+
+    def run(world):
+        if world not in runs:
+            tmp = tmp_path_factory.mktemp(f"fsdp{world}")
+            runs[world] = tmp, on_ranks(scenarios_on_ranks, world, tmp, SCENARIOS[world], str(tmp))
+        return runs[world]
+
+    return run
 
 
 # (architecture, quantity names, per-process batch sizes, blocks sharded too, the loss's
@@ -86,14 +102,13 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("world", sorted(SCENARIOS))
-def test_every_quantity_is_the_global_batch_s_under_fsdp2(tmp_path, world):
-    scenarios = SCENARIOS[world]
-    results = on_ranks(scenarios_on_ranks, world, tmp_path, scenarios, str(tmp_path))
-    for k, (architecture, names, sizes, _, *rest) in enumerate(scenarios):
+def test_every_quantity_is_the_global_batch_s_under_fsdp2(spawned, world):
+    tmp_path, results = spawned(world)
+    for k, (architecture, names, sizes, _, *rest) in enumerate(SCENARIOS[world]):
         reduction = rest[0] if rest else "mean"
         expected, params = single_process(architecture, names, sizes, reduction)
         for rank in range(world):
-            output, final = results[rank][k]
+            output, final = results[rank][0][k]
             assert_equal_outputs(output, expected)
             for p, q in zip(final, params):
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
@@ -134,8 +149,8 @@ def refusals_on_rank(rank, world):
     return refused, len(torch.nn.modules.module._global_forward_hooks) - hooks
 
 
-def test_curvature_second_moments_and_fsdp1_are_refused_by_name(tmp_path):
-    for refused, hooks_left in on_ranks(refusals_on_rank, 2, tmp_path):
+def test_curvature_second_moments_and_fsdp1_are_refused_by_name(spawned):
+    for _, (refused, hooks_left) in spawned(2)[1]:
         assert hooks_left == 0
         curvature = refused["curvature"]
         assert "HessMaxEV, PreconditionedSharpness differentiate the step's gradient" in curvature

@@ -138,6 +138,8 @@ class Sharded(DataParallel):
         self.layout = ShardLayout(params, world)
         self._modules = _fsdp_modules(model)
         self._fsdp = _fsdp_params(self._modules, params)
+        # (shard, its version, whole) of the last gather (see whole)
+        self._last: list[tuple[Tensor, int, Tensor]] = []
 
     def leaves(self) -> list[Tensor]:
         """The tensors the backward's gradients of the tracked parameters arrive at: FSDP's
@@ -194,6 +196,23 @@ class Sharded(DataParallel):
             for k, s in enumerate(sums)
         ]
 
+    def whole(self, shards: list[Tensor], indices: list[int]) -> list[Tensor]:
+        """:meth:`ShardLayout.gather` of ``shards``, but for those the last call gathered,
+        unchanged since (the same tensor at the same version): Alpha's update, gathered when
+        ``optimizer.step()`` returns, is projected on again at the next step."""
+        known = {id(shard): (shard, shard._version, whole) for shard, _, whole in self._last}
+        new = [
+            i
+            for i, shard in enumerate(shards)
+            if id(shard) not in known or known[id(shard)][1] != shard._version
+        ]
+        gathered = dict(
+            zip(new, self.layout.gather([shards[i] for i in new], [indices[i] for i in new]))
+        )
+        wholes = [gathered[i] if i in gathered else known[id(s)][2] for i, s in enumerate(shards)]
+        self._last = [(s, s._version, w) for s, w in zip(shards, wholes, strict=True)]
+        return wholes
+
     def engine(self, engine) -> ShardedEngine:
         """``engine``, whose captured steps project onto directions given as shards."""
         return ShardedEngine(engine, self)
@@ -231,14 +250,16 @@ class ShardedCapturedStep:
         return getattr(self._captured, name)
 
     def statistics(self, request, directions: dict, params: list[Tensor] | None = None):
+        engine, contributions = self._captured.engine, self._captured.contributions
+        # theta_t (after optimizer.step()) matters only to the rules that read parameters
+        params = params if reads_parameters(contributions) else None
         names = sorted(directions)
         count = len(self._processes.params)
         shards = [t for name in names for t in directions[name]] + list(params or [])
         indices = list(range(count)) * (len(shards) // count)
-        whole = self._processes.layout.gather(shards, indices)
+        whole = self._processes.whole(shards, indices)
         wholes = {name: whole[i * count : (i + 1) * count] for i, name in enumerate(names)}
         kept = whole[len(names) * count :] if params is not None else None
-        engine, contributions = self._captured.engine, self._captured.contributions
         with self._processes.unsharded(engine, contributions, kept):
             return self._captured.statistics(request, wholes, kept)
 
