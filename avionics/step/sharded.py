@@ -18,9 +18,15 @@ sharded after the backward:
 * the directions the per-sample statistics project onto (the mean gradient g of the gradient
   tests, Alpha's update theta_{t+1} - theta_t): g_n . v = sum_k <g_n^(k), v^(k)> needs v
   whole, and process r has the shard of v and the g_n of its own samples only. The shards of
-  every direction a statistics call names (and of theta_t, where a call swaps it in) are
-  all-gathered in one packed collective per call (:meth:`ShardLayout.gather`), the size of
-  the directions: no more than the all-gather FSDP makes of the parameters at each forward.
+  every direction a statistics call names are all-gathered in one packed collective per call
+  (:meth:`ShardLayout.gather`), but for those the call before gathered (:meth:`Sharded.whole`):
+  an economy step gathers the mean gradient, its ``optimizer.step()`` Alpha's update, each
+  the size of the parameters, as the all-gather FSDP makes of them at each forward.
+* the parameters themselves, for the few rules of the per-sample engine that read them
+  (nn.MultiheadAttention's, the recurrent layers', the generic rule: :func:`reads_parameters`):
+  FSDP's ``unshard()`` puts them whole on their modules while the engine runs, and theta_t,
+  where Alpha's projection after ``optimizer.step()`` swaps it in, is gathered with the
+  directions.
 
 Norms of parameters and gradients are of the whole parameters, from the shards' squared norms
 added over the processes (:func:`avionics.quantities.base.whole_norms`). The quantities whose
@@ -110,7 +116,7 @@ class ShardLayout:
         return [
             torch.cat([pieces[r][i] for r in range(self.world.size)])
             .reshape(self.shapes[k])
-            .to(shards[i].device)
+            .to(shards[i].device, shards[i].dtype)
             for i, k in enumerate(indices)
         ]
 
