@@ -220,9 +220,9 @@ def report(problem: str, result: dict) -> str:
         "",
         "FSDP2: each child of the model with parameters and the model sharded by "
         "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
-        "that read them (none in this mlp), one all-gather of the directions the per-sample "
-        "statistics project onto per statistics call (the mean gradient; Alpha's update, at "
-        "optimizer.step() and at the next step) and a few small all-reduces.",
+        "that read them (none in this mlp), two all-gathers of the parameters' size, of the "
+        "directions the per-sample statistics project onto (the mean gradient at the step, "
+        "Alpha's update when optimizer.step() returns), and a few small all-reduces.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small); the GPT-2 small "
