@@ -339,7 +339,9 @@ class Cockpit:
         if record:
             capture.record_gradients()
         handles = [scale_recorder(entry.info["loss"], part)]
-        if record or not single or several:
+        # (under FSDP, equal batches make p.grad's shards the global gradient's)
+        sharded_equal = self._sharded and single and len(set(entry.batch.sizes)) == 1
+        if record or not single or (several and not sharded_equal):
             # DDP may overwrite the tensor its hook saw with the average (also when the
             # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
             # into it: keep a copy. Under FSDP each process's whole gradient arrives at the

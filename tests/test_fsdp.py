@@ -11,6 +11,7 @@ import torch
 from spawned import on_ranks
 from test_distributed import (
     ARCHITECTURES,
+    FIRST_ORDER,
     assert_equal_outputs,
     batches,
     make_quantities,
@@ -96,6 +97,8 @@ SCENARIOS = {
         ("transformer", TRANSFORMER, (2, 3), True),
         ("transformer", TRANSFORMER, (3, 3), False),
         ("mlp", TRANSFORMER, (4, 2), False, "sum"),
+        ("mlp", FIRST_ORDER, (3, 3), True),
+        ("cnn", FIRST_ORDER, (2, 4), False),
     ],
     3: [("mlp", ECONOMY, (3, 2, 4), True), ("transformer", TRANSFORMER, (2, 2, 2), True)],
 }
