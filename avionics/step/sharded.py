@@ -317,8 +317,8 @@ def sharded(model: nn.Module, quantities: list) -> bool:
             f"Cockpit: the model's parameters are sharded by FSDP (fully_shard), and "
             f"{', '.join(curvature)} differentiate the step's gradient again through its "
             "graph, which holds the layers' unsharded parameters that FSDP frees after the "
-            "backward: no Hessian-vector product of the step is exact there. Leave them out "
-            "under fully_shard (configuration('transformer') without PreconditionedSharpness), "
+            "backward: the cockpit makes no Hessian-vector product under fully_shard. Leave "
+            "them out (configuration('transformer') without PreconditionedSharpness), "
             "train under DistributedDataParallel, or measure the curvature apart with "
             "avionics.curvature's operators (distributed=True) on an unsharded copy."
         )
