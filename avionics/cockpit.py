@@ -58,14 +58,9 @@ from avionics.step.output import (
     add_learning_rates,
     opened_sinks,
 )
-from avionics.step.parallel import (
-    SHARDED_QUANTITIES,
-    Agreement,
-    DataParallel,
-    check_ddp_options,
-    sharded,
-)
+from avionics.step.parallel import Agreement, DataParallel, check_ddp_options
 from avionics.step.precision import at_least_float32, scale_recorder, without_autocast
+from avionics.step.sharded import SHARDED_QUANTITIES, Sharded, sharded
 from avionics.step.state import check_state, state_of
 from avionics.step.values import Accumulation, Combined, Entry, Part
 from avionics.version import __version__
@@ -132,8 +127,9 @@ class Cockpit:
     receive the values on rank 0 only; a ``log`` path holding ``{rank}`` gives each process its
     own log (and its sinks the values). Under DDP, a step that differentiates the gradient again
     runs its forward and backward in ``no_sync()``, and the cockpit averages the gradients as
-    DDP would, in one all-reduce. Under FSDP (``fully_shard``) the quantities of
-    ``SHARDED_QUANTITIES`` are computed from the shards; the others are refused.
+    DDP would, in one all-reduce. Under FSDP2 (``fully_shard``), equal or unequal batches, the
+    quantities of ``SHARDED_QUANTITIES`` are computed from the shards and each process's own
+    samples (:mod:`avionics.step.sharded`); the others are refused by name.
 
     A compiled model (``Cockpit(torch.compile(model))``): the cockpit tracks the module it
     compiles, and the steps whose forward it captures (or differentiates twice) run eagerly,
@@ -184,10 +180,13 @@ class Cockpit:
         self._engine = PerSampleEngine(model, self.params)
         # entered for a step that differentiates the gradient again (see _keep_graph_if)
         self._graph_step = None
-        if self._world.size == 1 and self._ddp is None and not self._sharded:
+        if self._sharded:
+            self._processes = Sharded(self.params, self._world, model)
+            self._engine = self._processes.engine(self._engine)
+        elif self._world.size == 1 and self._ddp is None:
             self._processes = OneProcess(self.params, self._world)
         else:
-            self._processes = DataParallel(self.params, self._world, self._ddp, self._sharded)
+            self._processes = DataParallel(self.params, self._world, self._ddp, False)
         self._capture = None
         self._since = time.perf_counter()  # when the last block ended (the per-rank view)
         self._accumulation: Accumulation | None = None  # the micro-batches seen of a step
@@ -355,12 +354,16 @@ class Cockpit:
         if record:
             capture.record_gradients()
         handles = [scale_recorder(entry.info["loss"], part)]
-        if record or not single or (several and not self._sharded):
+        # (under FSDP, equal batches make p.grad's shards the global gradient's)
+        sharded_equal = self._sharded and single and len(set(entry.batch.sizes)) == 1
+        if record or not single or (several and not sharded_equal):
             # DDP may overwrite the tensor its hook saw with the average (also when the
             # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
-            # into it: keep a copy
+            # into it: keep a copy. Under FSDP each process's whole gradient arrives at the
+            # unsharded parameters.
             graph = any(q.create_graph for q in entry.active) and not single
-            handles += record_gradients(part, self.params, several or not single, graph)
+            leaves = self._processes.leaves() if self._sharded else self.params
+            handles += record_gradients(part, leaves, several or not single, graph)
         return capture, part, handles
 
     def _leave(self, entry: Entry, part: Part | None) -> None:

@@ -1,4 +1,4 @@
-"""The cockpit under data parallelism: its cost beside a plain DDP step, and what it sends.
+"""The cockpit under data parallelism: its cost beside a plain DDP or FSDP2 step, what it sends.
 
 Two gloo processes on this machine (one torch thread each) train two copies of a model side by
 side, each wrapped in DistributedDataParallel: one plainly, one inside ``with cockpit(step,
@@ -111,7 +111,7 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
     if shard is not None:
         X, y = X[shard], y[shard]
     plain = copy.deepcopy(model)
-    forwards = [nn.parallel.DistributedDataParallel(m) if wrap else m for m in (model, plain)]
+    forwards = [_wrapped(m, wrap) for m in (model, plain)]
     cockpit = make_cockpit(forwards[0])
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, plain)]
     tracked, plain_t = [], []
@@ -130,6 +130,19 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
             tracked.append(t2 - t1)
     cockpit.close()
     return statistics.median(tracked), statistics.median(plain_t)
+
+
+def _wrapped(model, wrap):
+    """``model`` in DDP (``wrap`` True), sharded by FSDP2 (``"fsdp"``: fully_shard of each
+    child with parameters, then of the model), or as it is."""
+    if wrap == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for child in model.children():
+            if any(True for _ in child.parameters()):
+                fully_shard(child)
+        return fully_shard(model)
+    return nn.parallel.DistributedDataParallel(model) if wrap else model
 
 
 def _communication(problem, chosen, shard):
@@ -199,12 +212,19 @@ def _rank(rank, port, problem, steps, warmup, out):
     viewed = lambda forward: Cockpit(forward, _chosen("economy + Ranks")())  # noqa: E731
     ddp = _timed(problem, economy, steps, warmup, shard, wrap=True)
     ddp_viewed = _timed(problem, viewed, steps, warmup, shard, wrap=True)
+    fsdp = _timed(problem, economy, steps, warmup, shard, wrap="fsdp")
     rows = {name: _communication(problem, _chosen(name), shard) for name in ROWS}
     rows["economy, unequal shards"] = _communication(problem, _chosen("economy"), unequal)
     small = _small_collectives([(4, 112), (4, 2048)])
     dist.destroy_process_group()
     if rank == 0:
-        result = {"ddp": ddp, "viewed": ddp_viewed, "communication": rows, "small": small}
+        result = {
+            "ddp": ddp,
+            "viewed": ddp_viewed,
+            "fsdp": fsdp,
+            "communication": rows,
+            "small": small,
+        }
         torch.save(result, out)
 
 
@@ -273,6 +293,12 @@ def report(problem: str, result: dict) -> str:
                     f"{v_tracked / v_plain:.2f}x",
                 ],
                 [
+                    f"FSDP2 (fully_shard), {WORLD} processes, economy",
+                    f"{result['fsdp'][1] * 1e3:.1f} ms",
+                    f"{result['fsdp'][0] * 1e3:.1f} ms",
+                    f"{result['fsdp'][0] / result['fsdp'][1]:.2f}x",
+                ],
+                [
                     "one process, whole batch, economy",
                     f"{s_plain * 1e3:.1f} ms",
                     f"{s_tracked * 1e3:.1f} ms",
@@ -286,6 +312,12 @@ def report(problem: str, result: dict) -> str:
         f"{'met' if tracked / plain <= s_tracked / s_plain + 0.1 else 'not met'}. The per-rank "
         f"view (Ranks) costs {v_tracked / v_plain - tracked / plain:+.2f} of the plain step "
         "(each ratio measured beside its own plain copy).",
+        "",
+        "FSDP2: each child of the model with parameters and the model sharded by "
+        "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
+        "that read them (none in this mlp), two all-gathers of the parameters' size, of the "
+        "directions the per-sample statistics project onto (the mean gradient at the step, "
+        "Alpha's update when optimizer.step() returns), and a few small all-reduces.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small): every "

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from avionics.distributed import World, sum_over_processes
 from avionics.persample import Request
 from avionics.persample.rules.factored import FactoredDirection
 from avionics.quantities.base import (
@@ -205,6 +206,8 @@ class _Start:
         # plain SGD: the gradient's norms, the capture and whether to measure at the step,
         # until optimizer.step() starts
         self._predicted: tuple | None = None
+        # the processes over which the parameters are sharded (FSDP), or None
+        self.shards: World | None = None
 
     @classmethod
     def at(cls, data: StepData, at_optimizer_step=lambda: True) -> _Start:
@@ -212,6 +215,7 @@ class _Start:
         when ``optimizer.step()`` returns (asked when it does)."""
         n, f, var_f = _moments(data.totals["Alpha"], "f", data.batch_size)
         start = cls(data.step, n, f, var_f)
+        start.shards = data.world if data.sharded else None
         optimizer = data.optimizer
         # Under data parallelism the update is -lr times what the processes' gradients average
         # to (DDP's mean of their means, not the global batch's mean with unequal batches):
@@ -324,7 +328,10 @@ class _Start:
         # the direction is s itself (projections are divided by tau afterwards: one pass over
         # the parameters less)
         self.unit = torch._foreach_sub(params, self.params)
-        self.tau = torch.linalg.vector_norm(_norms(self.unit))
+        squares = _norms(self.unit).square()
+        if self.shards is not None:  # ||s||^2 = sum_r ||s_r||^2 over the shards (FSDP)
+            (squares,) = sum_over_processes([squares], self.shards)
+        self.tau = squares.sum().sqrt()
         self.per_tau = 1 / _positive(self.tau)
         stats = self.captured.statistics(
             Request(directions=frozenset({_DIRECTION})), {_DIRECTION: self.unit}, self.params

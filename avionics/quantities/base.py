@@ -344,9 +344,14 @@ def mean_gradient_sq_norm(data: StepData) -> Tensor:
 
 def mean_gradient_sq_norms(data: StepData) -> Tensor:
     """[||g^(1)||^2, ..., ||g^(K)||^2] of the mean gradient per tracked parameter, float64,
-    computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`)."""
+    computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`); of the
+    whole parameters when ``data`` says they are sharded (sum_r ||shard_r||^2, one
+    collective of K numbers)."""
     if "g_sq_per_parameter" not in data.shared:
-        data.shared["g_sq_per_parameter"] = mean_gradient_norms(data).double().square()
+        squares = mean_gradient_norms(data).double().square()
+        if data.sharded:
+            (squares,) = data.sum_over_processes([squares])
+        data.shared["g_sq_per_parameter"] = squares
     return data.shared["g_sq_per_parameter"]
 
 

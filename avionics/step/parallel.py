@@ -7,8 +7,8 @@ raised: no collective of their own), the global gradient (DDP's average where it
 global mean's, else one all-reduce of the processes' gradient sums), the quantities' sums
 added in one packed all-reduce, and, for a step run in DDP's ``no_sync()`` (one that
 differentiates the gradient again, which DDP refuses), DDP's average made by the cockpit.
-Under FSDP (``fully_shard``) the quantities of :data:`SHARDED_QUANTITIES` are computed from
-the shards (:func:`sharded`).
+Parameters sharded by FSDP2 (``fully_shard``): :class:`avionics.step.sharded.Sharded`, which
+extends it.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 from dataclasses import replace
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from avionics.distributed import World, sum_over_processes
 from avionics.persample import Request, Statistics
@@ -25,9 +25,6 @@ from avionics.persample.request import MEAN_GRADIENT
 from avionics.step.batch import local, zeros_where_none
 from avionics.step.precision import all_finite, unscaled
 from avionics.step.values import Batch, Combined, Entry, Part
-
-# What a cockpit computes on parameters FSDP shards (each process holds a shard of each).
-SHARDED_QUANTITIES = ("Loss", "GradNorm", "Distance", "UpdateSize", "Time")
 
 
 class DataParallel:
@@ -74,13 +71,7 @@ class DataParallel:
         )
 
     def check_batch(self, step: int, batch: Batch) -> None:
-        """With FSDP's sharded parameters, the processes' batches are equal."""
-        if self.sharded and len(set(batch.sizes)) > 1:
-            raise ValueError(
-                f"Step {step}: the processes' batches have {list(batch.sizes)} samples; "
-                "with FSDP's sharded parameters the cockpit needs equal batches (FSDP "
-                "averages the processes' gradients, which is the global batch's only then)."
-            )
+        """Nothing to check of the processes' batches (unequal ones are the global batch's)."""
 
     def gradients(self, combined: Combined, reduction: str, batch: Batch) -> list[Tensor]:
         """The gradient of the global loss (as reduced), per tracked parameter.
@@ -243,66 +234,6 @@ def check_ddp_options(ddp, quantities: list) -> None:
             'in no_sync() ("a leaf Variable that requires grad is being used in an in-place '
             'operation"). Wrap the model with static_graph=False, or leave these quantities '
             "out."
-        )
-
-
-def sharded(model: nn.Module, quantities: list) -> bool:
-    """Whether ``model``'s parameters are sharded by FSDP (``fully_shard``); refuse the
-    quantities that need whole parameters, and FullyShardedDataParallel's flat parameters."""
-    from torch.distributed.tensor import DTensor
-
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-    except ImportError:  # torch built without distributed
-        FullyShardedDataParallel = ()  # noqa: N806
-    if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
-        raise TypeError(
-            "Cockpit: the model is wrapped in FullyShardedDataParallel, whose flattened "
-            "parameters the cockpit cannot name. Shard it with "
-            "torch.distributed.fsdp.fully_shard instead, or use DistributedDataParallel."
-        )
-    distributed = [(name, p) for name, p in model.named_parameters() if isinstance(p, DTensor)]
-    if not distributed:
-        return False
-    _check_fsdp_placements(model, distributed)
-    unsupported = [q.name for q in quantities if q.name not in SHARDED_QUANTITIES]
-    if unsupported:
-        raise TypeError(
-            f"Cockpit: the model's parameters are sharded by FSDP (fully_shard), and "
-            f"{', '.join(unsupported)} need every parameter whole (per-sample gradients, "
-            f"second moments, curvature). Under FSDP the cockpit computes "
-            f"{', '.join(SHARDED_QUANTITIES)}; for the others, train under "
-            "DistributedDataParallel."
-        )
-    return True
-
-
-def _check_fsdp_placements(model: nn.Module, distributed: list) -> None:
-    """The DTensor parameters are FSDP's (``fully_shard``: each Shard(0) over a mesh of one
-    dimension); tensor parallelism (``parallelize_module``: Replicate, Shard(1), or Shard(0)
-    without fully_shard) and HSDP's two-dimensional meshes are refused by name: their
-    gradients are not the processes' batches' (a replicated parameter's would count twice)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import Shard
-
-    remedy = (
-        "The cockpit supports FSDP's sharding only (torch.distributed.fsdp.fully_shard, "
-        "Shard(0) over one mesh dimension): train under fully_shard alone or "
-        "DistributedDataParallel, or leave the cockpit out of a tensor-parallel run."
-    )
-    for name, p in distributed:
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-            raise TypeError(
-                f"Cockpit: the parameter '{name}' is a DTensor with placements "
-                f"{tuple(p.placements)} over a mesh of {p.device_mesh.ndim} dimension(s): "
-                f"tensor parallelism (parallelize_module) or HSDP is not supported. {remedy}"
-            )
-    if not any(isinstance(m, FSDPModule) for m in model.modules()):
-        name, p = distributed[0]
-        raise TypeError(
-            f"Cockpit: the parameter '{name}' is a DTensor (placements {tuple(p.placements)}) "
-            f"but no module of the model is sharded by fully_shard: tensor parallelism "
-            f"(parallelize_module, distribute_module) is not supported. {remedy}"
         )
 
 

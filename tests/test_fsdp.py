@@ -1,0 +1,170 @@
+"""The cockpit under FSDP2 (``torch.distributed.fsdp.fully_shard``): on every process, each
+quantity of the "economy" and "transformer" presets (but PreconditionedSharpness, refused by
+name with the other curvature quantities) equals one process run on the concatenated batch
+(float64), with equal and unequal per-process batches, the root alone or also its blocks
+sharded, 2 and 3 gloo processes (avionics.step.sharded)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from spawned import on_ranks
+from test_distributed import (
+    ARCHITECTURES,
+    FIRST_ORDER,
+    assert_equal_outputs,
+    batches,
+    make_quantities,
+    optimizer,
+    reduced,
+    single_process,
+    split,
+)
+
+from avionics import Cockpit, configuration, read_run
+
+ECONOMY = tuple(q.name for q in configuration("economy"))
+TRANSFORMER = tuple(
+    q.name for q in configuration("transformer") if q.name != "PreconditionedSharpness"
+)
+
+
+def shard(model, nested: bool):
+    """fully_shard the model (with ``nested``, first each child whose parameters are its own)."""
+    from torch.distributed.fsdp import fully_shard
+
+    children = list(model.children())
+    for child in children if nested else []:
+        own = {id(p) for p in child.parameters()}
+        others = {id(p) for c in children if c is not child for p in c.parameters()}
+        if own and not own & others:  # (tied weights stay in one group: the root's)
+            fully_shard(child)
+    fully_shard(model)
+    return model
+
+
+def one_rank(rank, world, architecture, names, sizes, nested, log, reduction="mean"):
+    """One process of an FSDP2 run: its shard of each batch; FSDP averages the gradients."""
+    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
+    shard(model, nested)
+    cockpit = Cockpit(model, make_quantities(names), log=log)
+    opt = optimizer(model, names)
+    for step, (X, y) in enumerate(batches(architecture, sizes)):
+        X, y = split(X, sizes, rank), split(y, sizes, rank)
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        loss = reduced(losses, reduction)
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
+        with cockpit(step, info=info):
+            loss.backward()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def scenarios_on_ranks(rank, world, scenarios, tmp):
+    """Every scenario and, on 2 processes, the refusals, in one spawn (starting processes is
+    what costs)."""
+    outputs = [
+        one_rank(rank, world, *scenario[:4], f"{tmp}/{k}/run", *scenario[4:])
+        for k, scenario in enumerate(scenarios)
+    ]
+    return outputs, refusals_on_rank(rank, world) if world == 2 else None
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    """{world: (its directory, every process's scenarios_on_ranks)}, spawned once a world."""
+    runs = {}
+
+    def run(world):
+        if world not in runs:
+            tmp = tmp_path_factory.mktemp(f"fsdp{world}")
+            runs[world] = tmp, on_ranks(scenarios_on_ranks, world, tmp, SCENARIOS[world], str(tmp))
+        return runs[world]
+
+    return run
+
+
+# (architecture, quantity names, per-process batch sizes, blocks sharded too, the loss's
+# reduction when it is not the mean)
+SCENARIOS = {
+    2: [
+        ("mlp", ECONOMY, (3, 3), False),
+        ("mlp", ECONOMY, (5, 2), True),
+        ("cnn", ECONOMY, (3, 2), False),
+        ("transformer", ECONOMY, (2, 2), True),
+        ("transformer", TRANSFORMER, (2, 3), True),
+        ("transformer", TRANSFORMER, (3, 3), False),
+        ("mlp", TRANSFORMER, (4, 2), False, "sum"),
+        ("mlp", FIRST_ORDER, (3, 3), True),
+        ("cnn", FIRST_ORDER, (2, 4), False),
+    ],
+    3: [("mlp", ECONOMY, (3, 2, 4), True), ("transformer", TRANSFORMER, (2, 2, 2), True)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(SCENARIOS))
+def test_every_quantity_is_the_global_batch_s_under_fsdp2(spawned, world):
+    tmp_path, results = spawned(world)
+    for k, (architecture, names, sizes, _, *rest) in enumerate(SCENARIOS[world]):
+        reduction = rest[0] if rest else "mean"
+        expected, params = single_process(architecture, names, sizes, reduction)
+        for rank in range(world):
+            output, final = results[rank][0][k]
+            assert_equal_outputs(output, expected)
+            for p, q in zip(final, params):
+                torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)
+        run = read_run(tmp_path / str(k) / "run")
+        assert sorted(run.steps) == sorted(expected)
+
+
+def refusals_on_rank(rank, world):
+    """What Cockpit(model, ...) raises for each refused case, with the global hooks it
+    leaves (none may be left by a refusal)."""
+    import models
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from avionics import quantities
+
+    hooks = len(torch.nn.modules.module._global_forward_hooks)
+    cases = {
+        "curvature": (
+            True,
+            [quantities.Loss(), quantities.HessMaxEV(), configuration("transformer")[-1]],
+        ),
+        "second moments": (True, [quantities.GradNorm(), quantities.MeanGSNR()]),
+        "fsdp1": (False, [quantities.Loss()]),
+        "fsdp1 orig": ("orig", [quantities.Loss()]),
+    }
+    refused = {}
+    for case, (how, chosen) in cases.items():
+        model, _, _, _ = models.mlp(n=2)
+        if how is True:
+            model = shard(model, nested=False)
+        else:
+            orig = how == "orig"  # (on CPU, FSDP1 needs device_id="cpu")
+            model = FullyShardedDataParallel(model, use_orig_params=orig, device_id="cpu")
+        try:
+            Cockpit(model, chosen)
+        except TypeError as error:
+            refused[case] = str(error)
+    return refused, len(torch.nn.modules.module._global_forward_hooks) - hooks
+
+
+def test_curvature_second_moments_and_fsdp1_are_refused_by_name(spawned):
+    for _, (refused, hooks_left) in spawned(2)[1]:
+        assert hooks_left == 0
+        curvature = refused["curvature"]
+        assert "HessMaxEV, PreconditionedSharpness differentiate the step's gradient" in curvature
+        assert "FSDP frees after the backward" in curvature
+        assert "without PreconditionedSharpness" in curvature
+        moments = refused["second moments"]
+        assert "MeanGSNR need every parameter or its second moments whole" in moments
+        assert "Loss, GradNorm, Distance, UpdateSize" in moments
+        for case in ("fsdp1", "fsdp1 orig"):
+            assert "FullyShardedDataParallel (FSDP1)" in refused[case]
+            assert "torch.distributed.fsdp.fully_shard" in refused[case]
+        assert "use_orig_params=True" in refused["fsdp1 orig"]
+        assert "flattened shard cut across parameters" in refused["fsdp1 orig"]
+        assert "flattened parameters have no names" in refused["fsdp1"]
