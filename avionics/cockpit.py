@@ -354,9 +354,9 @@ class Cockpit:
         if record:
             capture.record_gradients()
         handles = [scale_recorder(entry.info["loss"], part)]
-        # (under FSDP, equal batches make p.grad's shards the global gradient's)
-        sharded_equal = self._sharded and single and len(set(entry.batch.sizes)) == 1
-        if record or not single or (several and not sharded_equal):
+        # (under FSDP too: whether the batches are equal, which makes p.grad's shards the
+        # global gradient's, is learnt only from the block's agreement)
+        if record or not single or several:
             # DDP may overwrite the tensor its hook saw with the average (also when the
             # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
             # into it: keep a copy. Under FSDP each process's whole gradient arrives at the
