@@ -107,3 +107,46 @@ def test_a_costly_variant_is_refused_before_the_backward(width, classes, curvatu
             ran.append(True)
     assert ran == [] and cockpit.get_output() == {}
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_auto_leaves_the_exact_hessian_diagonal_where_its_products_cost_too_many_passes(
+    monkeypatch,
+):
+    """The budget counts backward passes: the Hessian-vector products' cost is measured at
+    the first step (once for all curvature quantities), and where the D products cost more
+    than AUTO_MAX_COLUMNS passes "auto" takes the GGN diagonal, said once with the measured
+    cost, and computes exactly what that variant computes."""
+    from avionics.quantities import curvature
+
+    measured = []
+
+    def costly(*args):
+        measured.append(True)
+        return 1e4
+
+    monkeypatch.setattr(curvature, "products_in_backward_passes", costly)
+    model, X, y = tanh_mlp(8, 3)
+    auto, said = run(model, X, y, [HessTrace(), TICDiag()])
+    assert len(measured) == 1  # one measurement, at the first step, shared
+    assert len(said) == 2 and all("computes 'diag_ggn_exact'" in m for m in said), said
+    assert all("10000 in all, over the budget of 64 backward passes" in m for m in said), said
+    model, X, y = tanh_mlp(8, 3)
+    explicit, _ = run(model, X, y, [HessTrace(curvature="diag_ggn_exact"),
+                                    TICDiag(curvature="diag_ggn_exact")])  # fmt: skip
+    for step in auto:
+        for name in ("HessTrace", "TICDiag"):
+            assert auto[step][name] == pytest.approx(explicit[step][name], rel=1e-12)
+
+
+def test_the_products_cost_is_measured_in_backward_passes():
+    """products_in_backward_passes: D products' time over one backward's, positive and
+    finite; a few dozen products batched cost at least a fraction of a pass and (on this
+    small MLP, all in one batched product) not hundreds."""
+    from avionics.quantities.curvature import products_in_backward_passes
+
+    model, X, y = tanh_mlp(8, 3)
+    params = list(model.parameters())
+    losses = F.cross_entropy(model(X), y, reduction="none")
+    grads = torch.autograd.grad(losses.mean(), params, create_graph=True)
+    passes = products_in_backward_passes(list(grads), params, losses)
+    assert 0 < passes < 500
