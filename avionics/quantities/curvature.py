@@ -200,7 +200,7 @@ def products_in_backward_passes(graph_grads: list[Tensor], params: list[Tensor],
     of the network: D t_product / t_backward, with t_product the time per product of
     AUTO_TIMED_PRODUCTS one-hot products batched as the diagonal batches them, and
     t_backward that of one vector-Jacobian product of sum_n l_n through the step's forward
-    graph (each the faster of two runs, so that a shared machine's noise counts less)."""
+    graph (each the fastest of three runs, so that a shared machine's noise counts less)."""
     sizes = [p.numel() for p in params]
     dim = sum(sizes)
     k = min(dim, AUTO_TIMED_PRODUCTS)
@@ -211,7 +211,7 @@ def products_in_backward_passes(graph_grads: list[Tensor], params: list[Tensor],
 
     def seconds(run) -> float:
         best = math.inf
-        for _ in range(2):
+        for _ in range(3):
             _synchronize(params[0])
             began = time.perf_counter()
             run()
