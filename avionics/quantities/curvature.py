@@ -32,8 +32,6 @@ None of them touches the global random number generator.
 
 from __future__ import annotations
 
-import math
-import time
 import warnings
 import weakref
 
@@ -41,7 +39,6 @@ import torch
 from torch import Tensor, nn
 
 from avionics.curvature.step import VARIANTS
-from avionics.curvature.step._autograd import batched_grad
 from avionics.curvature.step.ggn_diagonal import ggn_diagonal
 from avionics.curvature.step.hessian_diagonal import (
     MAX_PROBES,
@@ -75,21 +72,18 @@ def _graph_grads(data: StepData) -> list[Tensor]:
 
 
 AUTO = "auto"
-# The budget of "auto", per step, in backward passes of the network (one pass: a
-# vector-Jacobian product through the step's forward graph, what one column of the exact GGN
-# diagonal costs): the exact Hessian diagonal while its Hessian-vector products (one per
-# parameter element, batched) stay this few and cost at most AUTO_MAX_COLUMNS passes
-# together (what a product costs is model-dependent: from a fraction of a pass where vmap
-# batches every operation to several passes for the double backward of an LSTM; it is
-# measured at the first step, see :func:`products_in_backward_passes`),
+# The budget of "auto", per step: the exact Hessian diagonal while its Hessian-vector products
+# (one per parameter element, batched) stay this few,
 AUTO_MAX_PROBES = 2048
+# except through a recurrent module (nn.RNNBase), where each product counts as one backward
+# pass (its double backward re-runs the recurrent kernel per product: measured at 0.3 passes
+# a product for the real-model tests' packed GRU, 6.5 for their LSTM LM, BENCHMARKS.md) and
+# the D products must fit AUTO_MAX_COLUMNS;
 # else the exact GGN diagonal while a sample's output has this few entries (one backward pass
 # of the network each); else the Monte-Carlo GGN diagonal (mc_samples backward passes). Where
 # none of them fits (the GGN diagonals cannot run and the Hessian diagonal needs more products)
 # "auto" refuses the step on entering it.
 AUTO_MAX_COLUMNS = 64
-# the Hessian-vector products (batched) timed at the first step to measure what one costs
-AUTO_TIMED_PRODUCTS = 64
 
 
 def output_entries(roots: list, n: int) -> int | None:
@@ -135,6 +129,15 @@ def ggn_variants_that_work(m: int | None, obstacle: str | None = None) -> list[s
     return ["diag_ggn_exact", "diag_ggn_mc"] if m <= MAX_OUTPUT_SIZE else ["diag_ggn_mc"]
 
 
+def recurrent_modules(model: nn.Module) -> list[str]:
+    """Names of the recurrent modules (nn.RNN, nn.LSTM, nn.GRU) of ``model``."""
+    return [
+        f"'{name or 'the model'}' ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.RNNBase)
+    ]
+
+
 def choose_variant(
     model: nn.Module, params: list[Tensor], m: int | None, obstacle: str | None = None
 ) -> tuple[str, str]:
@@ -142,8 +145,9 @@ def choose_variant(
     :data:`AUTO_MAX_PROBES` Hessian-vector products or :data:`AUTO_MAX_COLUMNS` backward
     passes: the exact Hessian diagonal costs one Hessian-vector product per parameter element
     unless the network is piecewise linear (then it is the exact GGN diagonal's M backward
-    passes, M the entries of a sample's output); the Monte-Carlo GGN diagonal costs
-    mc_samples passes whatever M. ``obstacle``: why the GGN diagonals cannot run
+    passes, M the entries of a sample's output), and through a recurrent module each product
+    counts as a backward pass; the Monte-Carlo GGN diagonal costs mc_samples passes whatever
+    M. ``obstacle``: why the GGN diagonals cannot run
     (:func:`ggn_obstacle`), None when they can. A ValueError where nothing fits the budget,
     naming what works and its cost."""
     dim = sum(p.numel() for p in params)
@@ -162,14 +166,24 @@ def choose_variant(
                 f"the GGN diagonals cannot run ({obstacle}); the exact Hessian diagonal takes "
                 f"{dim} Hessian-vector products"
             )
-    elif dim <= AUTO_MAX_PROBES:
+    recurrent = recurrent_modules(model)
+    # (where no GGN diagonal runs, the products are the only way: the budget in products)
+    in_passes = bool(recurrent) and m is not None
+    if bad and dim <= AUTO_MAX_PROBES and not (in_passes and dim > AUTO_MAX_COLUMNS):
         return "diag_h", f"the exact Hessian diagonal takes {dim} Hessian-vector products"
-    exact_hessian = (
-        f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
-        f"(not piecewise linear: {', '.join(bad[:3])})"
-        if bad
-        else "the exact Hessian diagonal is the GGN's here"
-    )
+    if bad and in_passes and dim <= AUTO_MAX_PROBES:
+        exact_hessian = (
+            f"the exact Hessian diagonal would take {dim} Hessian-vector products per step, "
+            f"each about a backward pass or more through the double backward of "
+            f"{', '.join(recurrent[:3])}: beyond the budget of {AUTO_MAX_COLUMNS} backward passes"
+        )
+    elif bad:
+        exact_hessian = (
+            f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
+            f"(not piecewise linear: {', '.join(bad[:3])})"
+        )
+    else:
+        exact_hessian = "the exact Hessian diagonal is the GGN's here"
     if m is None:
         raise ValueError(
             f"curvature='auto' finds no curvature diagonal within its budget "
@@ -180,54 +194,12 @@ def choose_variant(
             + (f" with max_probes={dim}" if dim > MAX_PROBES else "")
             + f" (its {dim} products per step)."
         )
-    return ggn_choice(m, exact_hessian)
-
-
-def ggn_choice(m: int, exact_hessian: str) -> tuple[str, str]:
-    """(variant, why) among the GGN diagonals for M output entries a sample, ``exact_hessian``
-    saying why not the exact Hessian diagonal: the exact one while M <= AUTO_MAX_COLUMNS
-    (and the dense loss Hessian's reach), else the Monte-Carlo one."""
-    if m <= min(AUTO_MAX_COLUMNS, MAX_OUTPUT_SIZE):
+    if m <= columns:
         return "diag_ggn_exact", f"{exact_hessian}; the exact GGN diagonal takes {m}"
     return "diag_ggn_mc", (
         f"{exact_hessian}; the exact GGN diagonal would take {m} backward passes (one per "
         "entry of a sample's output), the Monte-Carlo one takes mc_samples"
     )
-
-
-def products_in_backward_passes(graph_grads: list[Tensor], params: list[Tensor], losses):
-    """What the exact Hessian diagonal's D Hessian-vector products cost, in backward passes
-    of the network: D t_product / t_backward, with t_product the time per product of
-    AUTO_TIMED_PRODUCTS one-hot products batched as the diagonal batches them, and
-    t_backward that of one vector-Jacobian product of sum_n l_n through the step's forward
-    graph (each the fastest of three runs, so that a shared machine's noise counts less)."""
-    sizes = [p.numel() for p in params]
-    dim = sum(sizes)
-    k = min(dim, AUTO_TIMED_PRODUCTS)
-    E = torch.zeros(k, dim, dtype=params[0].dtype, device=params[0].device)
-    E[torch.arange(k), torch.arange(k)] = 1
-    probes = [e.reshape(k, *p.shape) for e, p in zip(E.split(sizes, 1), params, strict=True)]
-    total = losses.sum()
-
-    def seconds(run) -> float:
-        best = math.inf
-        for _ in range(3):
-            _synchronize(params[0])
-            began = time.perf_counter()
-            run()
-            _synchronize(params[0])
-            best = min(best, time.perf_counter() - began)
-        return best
-
-    backward = seconds(lambda: torch.autograd.grad(total, params, retain_graph=True,
-                                                   allow_unused=True))  # fmt: skip
-    products = seconds(lambda: batched_grad(graph_grads, params, probes))
-    return dim * products / k / max(backward, 1e-9)
-
-
-def _synchronize(t: Tensor) -> None:
-    if t.device.type == "cuda":
-        torch.cuda.synchronize(t.device)
 
 
 class _Curvature(Quantity):
@@ -269,10 +241,6 @@ class _Curvature(Quantity):
             )
         self.curvature = curvature
         self._chosen: str | None = None  # what "auto" chose, at the first step
-        # M, a sample's output entries, where "auto" chose the exact Hessian diagonal by
-        # probes on entering the first step and a GGN diagonal could run instead: the
-        # products' cost is measured at that step's values, before the diagonal is computed
-        self._unmeasured: int | None = None
         self._losses = None  # info["individual_losses"] from validate to validate_forward
         self._probed: bool | None = None  # this step's diag_h by probes (not the GGN's)
         self.mc_samples = checked_int(
@@ -323,10 +291,11 @@ class _Curvature(Quantity):
                 self._chosen, why = choose_variant(model, params, m, obstacle)
             except ValueError as error:
                 raise ValueError(f"Step {step}: {self.name}: {error}") from None
-            if self._chosen == "diag_h" and bad and ggn_variants_that_work(m, obstacle):
-                self._unmeasured = m
-            else:
-                self._say(why)
+            warnings.warn(
+                f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
+                "Pass curvature= to choose (said once).",
+                stacklevel=4,
+            )
         variant = self._chosen or self.curvature
         # the exact Hessian diagonal of a piecewise-linear network is the GGN's where that runs
         self._probed = variant == "diag_h" and (bool(bad) or obstacle is not None)
@@ -362,59 +331,14 @@ class _Curvature(Quantity):
                     "curvature='diag_ggn_mc' (mc_samples passes per step)."
                 )
 
-    def _say(self, why: str) -> None:
-        warnings.warn(
-            f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
-            "Pass curvature= to choose (said once).",
-            stacklevel=5,
-        )
-
     def variant(self, data: StepData) -> str:
         """The variant computed: the one asked for, or what "auto" chose on entering the
-        first step (:meth:`validate_forward`; chosen here when a step came without it), the
-        exact Hessian diagonal kept there only while its products, measured here, cost at
-        most AUTO_MAX_COLUMNS backward passes."""
+        first step (:meth:`validate_forward`; chosen here when a step came without it)."""
         if self.curvature != AUTO:
             return self.curvature
         if self._chosen is None:
             self._chosen, _ = choose_variant(data.model, data.params, step_output_entries(data))
-        if self._unmeasured is not None:
-            self._measure(data)
         return self._chosen
-
-    def _measure(self, data: StepData) -> None:
-        """Keep the exact Hessian diagonal or take the GGN one by what the products cost
-        (:func:`products_in_backward_passes`), measured once per step for all curvature
-        quantities (and averaged over the processes, so that all take the same)."""
-        key = ("auto_products_in_backward_passes",)
-        passes = data.curvature_diagonals.get(key)
-        if passes is None:
-            grads = _graph_grads(data)
-            kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
-            passes = products_in_backward_passes(
-                [grads[k] for k in kept], [data.tracked[k] for k in kept],
-                data.info["individual_losses"],
-            )  # fmt: skip
-            if data.world.size > 1:
-                (total,) = data.sum_over_processes([torch.tensor(passes, dtype=torch.float64)])
-                passes = total.item() / data.world.size
-            data.curvature_diagonals[key] = passes
-        dim, m = sum(p.numel() for p in data.params), self._unmeasured
-        measured = f"measured at {passes / dim:.2g} backward passes each, {passes:.0f} in all"
-        self._unmeasured = None
-        if passes <= AUTO_MAX_COLUMNS:
-            self._say(
-                f"the exact Hessian diagonal takes {dim} Hessian-vector products ({measured}, "
-                f"within the budget of {AUTO_MAX_COLUMNS})"
-            )
-            return
-        self._chosen, why = ggn_choice(
-            m,
-            f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
-            f"({measured}, over the budget of {AUTO_MAX_COLUMNS} backward passes)",
-        )
-        self._probed = False
-        self._say(why)
 
     def _key(self, data: StepData) -> tuple:
         return ("curvature_diagonal", self.variant(data), self.mc_samples, self.seed)

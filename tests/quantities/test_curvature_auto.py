@@ -109,44 +109,30 @@ def test_a_costly_variant_is_refused_before_the_backward(width, classes, curvatu
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_auto_leaves_the_exact_hessian_diagonal_where_its_products_cost_too_many_passes(
-    monkeypatch,
-):
-    """The budget counts backward passes: the Hessian-vector products' cost is measured at
-    the first step (once for all curvature quantities), and where the D products cost more
-    than AUTO_MAX_COLUMNS passes "auto" takes the GGN diagonal, said once with the measured
-    cost, and computes exactly what that variant computes."""
-    from avionics.quantities import curvature
+def test_through_a_recurrent_module_each_product_counts_as_a_backward_pass():
+    """An LSTM's exact Hessian diagonal (1288 products, each about a backward pass or more
+    through the LSTM's double backward) is beyond the 64 backward passes of the budget:
+    "auto" takes the exact GGN diagonal (32 output entries a sample), says why, and computes
+    exactly what curvature="diag_ggn_exact" computes."""
+    from tests import real_models
 
-    measured = []
-
-    def costly(*args):
-        measured.append(True)
-        return 1e4
-
-    monkeypatch.setattr(curvature, "products_in_backward_passes", costly)
-    model, X, y = tanh_mlp(8, 3)
-    auto, said = run(model, X, y, [HessTrace(), TICDiag()])
-    assert len(measured) == 1  # one measurement, at the first step, shared
-    assert len(said) == 2 and all("computes 'diag_ggn_exact'" in m for m in said), said
-    assert all("10000 in all, over the budget of 64 backward passes" in m for m in said), said
-    model, X, y = tanh_mlp(8, 3)
-    explicit, _ = run(model, X, y, [HessTrace(curvature="diag_ggn_exact"),
-                                    TICDiag(curvature="diag_ggn_exact")])  # fmt: skip
-    for step in auto:
+    outputs, said = [], []
+    for curvature in ("auto", "diag_ggn_exact"):
+        model, X, y, loss_fn = real_models.lstm_lm(n=3, t=4, vocab=8)
+        model.eval()
+        cockpit = Cockpit(model, [HessTrace(curvature=curvature), TICDiag(curvature=curvature)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                losses = loss_fn(model(X), y)
+                with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+                    losses.mean().backward(create_graph=cockpit.create_graph(step))
+                model.zero_grad()
+        said.append([str(w.message) for w in caught if "curvature='auto'" in str(w.message)])
+        outputs.append(cockpit.get_output())
+    assert len(said[0]) == 2 and said[1] == []
+    assert all("computes 'diag_ggn_exact'" in m for m in said[0]), said[0]
+    assert all("double backward of 'lstm' (LSTM)" in m for m in said[0]), said[0]
+    for step in outputs[1]:
         for name in ("HessTrace", "TICDiag"):
-            assert auto[step][name] == pytest.approx(explicit[step][name], rel=1e-12)
-
-
-def test_the_products_cost_is_measured_in_backward_passes():
-    """products_in_backward_passes: D products' time over one backward's, positive and
-    finite; a few dozen products batched cost at least a fraction of a pass and (on this
-    small MLP, all in one batched product) not hundreds."""
-    from avionics.quantities.curvature import products_in_backward_passes
-
-    model, X, y = tanh_mlp(8, 3)
-    params = list(model.parameters())
-    losses = F.cross_entropy(model(X), y, reduction="none")
-    grads = torch.autograd.grad(losses.mean(), params, create_graph=True)
-    passes = products_in_backward_passes(list(grads), params, losses)
-    assert 0 < passes < 500
+            assert outputs[0][step][name] == pytest.approx(outputs[1][step][name], rel=1e-12)
