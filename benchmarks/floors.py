@@ -58,7 +58,13 @@ from benchmarks.tools import Plain
 
 # the most per-sample gradient values a multi-use parameter materialises at once
 CHUNK = 2**22
-LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm)
+try:  # Hugging Face GPT-2's Conv1D (y = x W + b, W [I, O]): a Linear of weight W^T
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # (transformers is optional)
+    Conv1D = None
+LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.BatchNorm2d) + (
+    (Conv1D,) if Conv1D is not None else ()
+)
 
 
 @dataclass
@@ -139,9 +145,12 @@ class _LinearUse(_Use):
 
     def __init__(self, call, role):
         super().__init__(call, role)
-        m = self.module
-        self.x, self.d = _shared(call.x, call.d, m.in_features, m.out_features)
+        self.o, self.i = self._widths()
+        self.x, self.d = _shared(call.x, call.d, self.i, self.o)
         self.n, self.t = self.x.shape[:2]
+
+    def _widths(self) -> tuple[int, int]:
+        return self.module.out_features, self.module.in_features
 
     def materialize(self, lo, hi):
         d = self.d[lo:hi]
@@ -150,8 +159,7 @@ class _LinearUse(_Use):
         return torch.bmm(d.transpose(1, 2), self.x[lo:hi])
 
     def statistics(self, norms, directions):
-        t = self.t
-        o, i = self.module.out_features, self.module.in_features
+        t, o, i = self.t, self.o, self.i
         if self.role == "bias":
             return super().statistics(norms, directions)
         if t == 1:
@@ -177,6 +185,23 @@ class _LinearUse(_Use):
             if v.dense is None or gram < x.shape[1] * d.shape[1]:
                 return ((d @ d_ref.T) * (x @ x_ref.T)).sum(1)
         return ((d @ v.dense) * x).sum(1)
+
+
+class _Conv1DUse(_LinearUse):
+    """Hugging Face Conv1D, y = x W + b with W [I, O]: the Linear kernels of weight W^T, the
+    directions transposed to match (b_n materialised in that [O, I] layout: GPT-2 shares no
+    Conv1D weight, so no sum over uses needs its own layout)."""
+
+    def _widths(self):
+        i, o = self.module.weight.shape
+        return o, i
+
+    def statistics(self, norms, directions):
+        if self.role == "weight":
+            directions = [
+                Direction(None if v.dense is None else v.dense.T, v.factors) for v in directions
+            ]
+        return super().statistics(norms, directions)
 
 
 class _ConvUse(_Use):
@@ -287,8 +312,27 @@ class _LayerNormUse(_Use):
         return d.reshape(n, -1, *m.normalized_shape).sum(1)
 
 
+class _BatchNormUse(_Use):
+    """BatchNorm2d: b_n = sum_l d_l * xhat_l (weight), sum_l d_l (bias) over the positions l,
+    xhat the input normalised by the batch's statistics in training (the running ones in
+    evaluation), as the layer normalised it."""
+
+    def materialize(self, lo, hi):
+        m, d = self.module, self.call.d[lo:hi]
+        if self.role == "weight":
+            x = self.call.x
+            if m.training:
+                var, mean = torch.var_mean(x, dim=(0, 2, 3), unbiased=False, keepdim=True)
+            else:
+                mean, var = m.running_mean[:, None, None], m.running_var[:, None, None]
+            d = d * (x[lo:hi] - mean) * (var + m.eps).rsqrt()
+        return d.sum((2, 3))
+
+
 USES = {nn.Linear: _LinearUse, nn.Conv2d: _ConvUse, nn.Embedding: _EmbeddingUse,
-        nn.LayerNorm: _LayerNormUse}  # fmt: skip
+        nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse}  # fmt: skip
+if Conv1D is not None:
+    USES[Conv1D] = _Conv1DUse
 
 
 def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
@@ -298,7 +342,8 @@ def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
         for role in ("weight", "bias"):
             p = getattr(call.module, role, None)
             if isinstance(p, nn.Parameter) and p.requires_grad:
-                uses.setdefault(p, []).append(USES[type(call.module)](call, role))
+                kind = next(k for k in USES if isinstance(call.module, k))
+                uses.setdefault(p, []).append(USES[kind](call, role))
     return uses
 
 

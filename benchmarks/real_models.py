@@ -12,7 +12,10 @@ which its PreconditionedSharpness reads; the others with SGD), every step tracke
 of the model train side by side with the same optimiser, steps alternating (plain,
 instrumented, plain, ...) so that the noise of a shared machine hits both alike; the ratio
 is median(instrumented) / median(plain) over the timed steps after a warm-up. Targets (issue
-18): economy <= 2x, full <= 6x.
+25; issue 18 asked economy <= 2x, full <= 6x): economy <= 3x, business <= 6x, full <= 21x
+(the cockpit paper's figure); the transformer preset's ordinary step <= 1.5x is measured in
+``benchmarks/preset_floors`` (here most timed steps are its sparse schedule's, 0, 1, 2, 3, 5,
+6, 7, so the median is a sparse step).
 
 Also the first tracked step in a fresh process (the ResNet under economy), with numba's cache
 of the histogram kernels empty (they compile) and filled (they load), beside a later step.
@@ -41,8 +44,7 @@ from benchmarks.tools import Avionics, time_steps
 from tests.real_models import ALL_MODELS as MODELS
 
 PRESETS = ["economy", "business", "full", "transformer"]
-# business has no target: it shows what full's curvature diagonals cost without HessMaxEV
-TARGET = {"economy": 2.0, "full": 6.0}
+TARGET = {"economy": 3.0, "business": 6.0, "full": 21.0}
 # The builders' arguments for the timed runs and for --quick.
 SIZES = {
     "resnet": {"n": 32},
@@ -194,7 +196,7 @@ def main(argv=None) -> None:
     header = ["model", "parameters", "batch", "preset", "curvature variant (auto)",
               "step / plain step", "target"]  # fmt: skip
     sections = [
-        "## Real models (issues 18 and 24): a preset's step / a plain step",
+        "## Real models (issues 18, 24 and 25): a preset's step / a plain step",
         machine() + f"; {elapsed / 60:.1f} min for this section.",
         f"Every step tracked; median of {steps} timed steps after {warmup} warm-up steps, "
         "plain and instrumented steps alternating on two copies of the model (SGD, Adam for "

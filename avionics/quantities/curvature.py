@@ -75,6 +75,10 @@ AUTO = "auto"
 # The budget of "auto", per step: the exact Hessian diagonal while its Hessian-vector products
 # (one per parameter element, batched) stay this few,
 AUTO_MAX_PROBES = 2048
+# except through a recurrent module (nn.RNNBase), where each product counts as one backward
+# pass (its double backward re-runs the recurrent kernel per product: measured at 0.3 passes
+# a product for the real-model tests' packed GRU, 6.5 for their LSTM LM, BENCHMARKS.md) and
+# the D products must fit AUTO_MAX_COLUMNS;
 # else the exact GGN diagonal while a sample's output has this few entries (one backward pass
 # of the network each); else the Monte-Carlo GGN diagonal (mc_samples backward passes). Where
 # none of them fits (the GGN diagonals cannot run and the Hessian diagonal needs more products)
@@ -125,6 +129,15 @@ def ggn_variants_that_work(m: int | None, obstacle: str | None = None) -> list[s
     return ["diag_ggn_exact", "diag_ggn_mc"] if m <= MAX_OUTPUT_SIZE else ["diag_ggn_mc"]
 
 
+def recurrent_modules(model: nn.Module) -> list[str]:
+    """Names of the recurrent modules (nn.RNN, nn.LSTM, nn.GRU) of ``model``."""
+    return [
+        f"'{name or 'the model'}' ({type(m).__name__})"
+        for name, m in model.named_modules()
+        if isinstance(m, nn.RNNBase)
+    ]
+
+
 def choose_variant(
     model: nn.Module, params: list[Tensor], m: int | None, obstacle: str | None = None
 ) -> tuple[str, str]:
@@ -132,8 +145,9 @@ def choose_variant(
     :data:`AUTO_MAX_PROBES` Hessian-vector products or :data:`AUTO_MAX_COLUMNS` backward
     passes: the exact Hessian diagonal costs one Hessian-vector product per parameter element
     unless the network is piecewise linear (then it is the exact GGN diagonal's M backward
-    passes, M the entries of a sample's output); the Monte-Carlo GGN diagonal costs
-    mc_samples passes whatever M. ``obstacle``: why the GGN diagonals cannot run
+    passes, M the entries of a sample's output), and through a recurrent module each product
+    counts as a backward pass; the Monte-Carlo GGN diagonal costs mc_samples passes whatever
+    M. ``obstacle``: why the GGN diagonals cannot run
     (:func:`ggn_obstacle`), None when they can. A ValueError where nothing fits the budget,
     naming what works and its cost."""
     dim = sum(p.numel() for p in params)
@@ -152,14 +166,24 @@ def choose_variant(
                 f"the GGN diagonals cannot run ({obstacle}); the exact Hessian diagonal takes "
                 f"{dim} Hessian-vector products"
             )
-    elif dim <= AUTO_MAX_PROBES:
+    recurrent = recurrent_modules(model)
+    # (where no GGN diagonal runs, the products are the only way: the budget in products)
+    in_passes = bool(recurrent) and m is not None
+    if bad and dim <= AUTO_MAX_PROBES and not (in_passes and dim > AUTO_MAX_COLUMNS):
         return "diag_h", f"the exact Hessian diagonal takes {dim} Hessian-vector products"
-    exact_hessian = (
-        f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
-        f"(not piecewise linear: {', '.join(bad[:3])})"
-        if bad
-        else "the exact Hessian diagonal is the GGN's here"
-    )
+    if bad and in_passes and dim <= AUTO_MAX_PROBES:
+        exact_hessian = (
+            f"the exact Hessian diagonal would take {dim} Hessian-vector products per step, "
+            f"each about a backward pass or more through the double backward of "
+            f"{', '.join(recurrent[:3])}: beyond the budget of {AUTO_MAX_COLUMNS} backward passes"
+        )
+    elif bad:
+        exact_hessian = (
+            f"the exact Hessian diagonal would take {dim} Hessian-vector products per step "
+            f"(not piecewise linear: {', '.join(bad[:3])})"
+        )
+    else:
+        exact_hessian = "the exact Hessian diagonal is the GGN's here"
     if m is None:
         raise ValueError(
             f"curvature='auto' finds no curvature diagonal within its budget "

@@ -107,3 +107,32 @@ def test_a_costly_variant_is_refused_before_the_backward(width, classes, curvatu
             ran.append(True)
     assert ran == [] and cockpit.get_output() == {}
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_through_a_recurrent_module_each_product_counts_as_a_backward_pass():
+    """An LSTM's exact Hessian diagonal (1288 products, each about a backward pass or more
+    through the LSTM's double backward) is beyond the 64 backward passes of the budget:
+    "auto" takes the exact GGN diagonal (32 output entries a sample), says why, and computes
+    exactly what curvature="diag_ggn_exact" computes."""
+    from tests import real_models
+
+    outputs, said = [], []
+    for curvature in ("auto", "diag_ggn_exact"):
+        model, X, y, loss_fn = real_models.lstm_lm(n=3, t=4, vocab=8)
+        model.eval()
+        cockpit = Cockpit(model, [HessTrace(curvature=curvature), TICDiag(curvature=curvature)])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(2):
+                losses = loss_fn(model(X), y)
+                with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+                    losses.mean().backward(create_graph=cockpit.create_graph(step))
+                model.zero_grad()
+        said.append([str(w.message) for w in caught if "curvature='auto'" in str(w.message)])
+        outputs.append(cockpit.get_output())
+    assert len(said[0]) == 2 and said[1] == []
+    assert all("computes 'diag_ggn_exact'" in m for m in said[0]), said[0]
+    assert all("double backward of 'lstm' (LSTM)" in m for m in said[0]), said[0]
+    for step in outputs[1]:
+        for name in ("HessTrace", "TICDiag"):
+            assert outputs[0][step][name] == pytest.approx(outputs[1][step][name], rel=1e-12)

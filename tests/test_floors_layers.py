@@ -1,0 +1,67 @@
+"""benchmarks/floors.py's kernels for BatchNorm2d and Hugging Face's Conv1D: the floor's
+gradient tests equal those of per-sample gradients by a loop over samples (float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from benchmarks.floors import Floor
+
+
+def _reference(model, X, y, loss_fn):
+    """NormTest and InnerTest from per-sample gradients by a loop over samples."""
+    params = list(model.parameters())
+    losses = loss_fn(model(X), y)
+    n = len(X)
+    mean = torch.autograd.grad(losses.mean(), params, retain_graph=True)
+    per = [torch.autograd.grad(losses[i], params, retain_graph=True) for i in range(n)]
+    g_sq = sum(g.square().sum() for g in mean)
+    sq = sum(sum(a.square().sum() for a in g) for g in per)
+    proj = torch.stack([sum((a * b).sum() for a, b in zip(g, mean)) for g in per])
+    scale = (n - 1) * n * g_sq
+    return ((sq - n * g_sq) / scale).sqrt().item(), ((proj - g_sq).square().sum() / (
+        scale * g_sq)).sqrt().item()  # fmt: skip
+
+
+def _losses(out, y):
+    return F.cross_entropy(out, y, reduction="none")
+
+
+class Conv1DNet(nn.Module):
+    """Two HF Conv1D over a token axis (T = 3 positions shared by a sample), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        from transformers.pytorch_utils import Conv1D
+
+        self.a, self.b = Conv1D(8, 5), Conv1D(4, 8)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.b(torch.tanh(self.a(x))).flatten(1))
+
+
+def bn_net():
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+        nn.Linear(4 * 5 * 5, 3),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("build, shape", [(bn_net, (6, 2, 5, 5)), (Conv1DNet, (6, 3, 5))])
+def test_the_floor_equals_per_sample_gradients_by_a_loop(build, shape):
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = build().double().eval()  # (BatchNorm by its running statistics: samples apart)
+    X, y = torch.randn(*shape, dtype=torch.float64), torch.randint(0, 3, (shape[0],))
+    reference = copy.deepcopy(model)
+    floor = Floor(model, _losses, "sgd", "three tests")
+    floor.step(0, X, y)
+    norm, inner = _reference(reference, X, y, _losses)
+    assert floor.values[0]["NormTest"] == pytest.approx(norm, rel=1e-10)
+    assert floor.values[0]["InnerTest"] == pytest.approx(inner, rel=1e-10)
