@@ -243,42 +243,48 @@ class KFACOperator(ModelDataOperator):
         sums = self._sum_over_processes(self._local_factor_sums, shapes, "Kronecker factors")
         factors = {id(layer): sums[3 * i : 3 * i + 3] for i, layer in enumerate(layers)}
         one = torch.ones(1, 1, dtype=self.dtype, device=self.device)
+        identities = {}  # FOOF: B = I, one per layer (nothing was summed for it)
         for block in self.blocks:
             A_sum, B, rows = factors[id(block.layer)]
-            if self._fisher_type == "forward-only":  # FOOF: B = I
-                B = torch.eye(len(B), dtype=self.dtype, device=self.device)
+            if self._fisher_type == "forward-only":
+                if id(block.layer) not in identities:
+                    d_out = block.layer.weight.shape[0]
+                    identities[id(block.layer)] = torch.eye(d_out, dtype=self.dtype,
+                                                            device=self.device)  # fmt: skip
+                B = identities[id(block.layer)]
             block.B = B
-            block.A = A_sum / rows if block.has_weight else one
+            block.A = A_sum.div_(float(rows)) if block.has_weight else one  # one per layer
 
     def _local_factor_sums(self) -> list[Tensor]:
         """[sum_r a_r a_r^T, B, R] of every layer in turn, over this process's data."""
         layers = self._layers()
-        A_sum = {id(layer): 0.0 for layer in layers}
-        B = {id(layer): 0.0 for layer in layers}
+        sums = {id(layer): [None, None] for layer in layers}  # [sum_r a_r a_r^T, B]
         rows = {id(layer): 0 for layer in layers}
         for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
             if self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
-            A_sum[id(layer)] = A_sum[id(layer)] + a.T @ a
+            layer_sums = sums[id(layer)]
+            _accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
-                g = g.flatten(0, -2)
-                B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
+                _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
             rows[id(layer)] += len(a)
-        sums = []
+        result = []
         for layer in layers:
+            for i, shape in enumerate(self._factor_shapes(layer)[:2]):  # FOOF: B's is [0]
+                if sums[id(layer)][i] is None:
+                    sums[id(layer)][i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             R = torch.tensor(float(rows[id(layer)]), dtype=torch.float64, device=self.device)
-            if isinstance(B[id(layer)], float):  # forward-only: no backward, B = I later
-                d_out = layer.weight.shape[0]
-                B[id(layer)] = torch.zeros(d_out, d_out, dtype=self.dtype, device=self.device)
-            sums += [A_sum[id(layer)], B[id(layer)], R]  # R in float64: an exact count
-        return sums
+            result += [*sums[id(layer)], R]  # R in float64: an exact count
+        return result
 
     def _factor_shapes(self, layer: nn.Module) -> list[tuple[int, ...]]:
-        """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out], []."""
+        """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out] ([0] for
+        ``"forward-only"``, whose B = I needs no sum), []."""
         joint = any(b.layer is layer and b.has_weight and b.has_bias for b in self.blocks)
         d_in, d_out = layer.weight[0].numel() + joint, layer.weight.shape[0]
-        return [(d_in, d_in), (d_out, d_out), ()]
+        B_shape = (0,) if self._fisher_type == "forward-only" else (d_out, d_out)
+        return [(d_in, d_in), B_shape, ()]
 
     def _layers(self) -> list[nn.Module]:
         return list({id(block.layer): block.layer for block in self.blocks}.values())
@@ -294,9 +300,12 @@ class KFACOperator(ModelDataOperator):
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
         capture = Capture(self._model, layers)
+        parameters = None
+        if self._fisher_type == "forward-only":  # no backward pass: no graph to build
+            parameters = {name: p.detach() for name, p in self._model.named_parameters()}
         with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
-                output, calls = self._forward(X, capture, layers)
+                output, calls = self._forward(X, capture, layers, parameters)
                 gradients = None
                 if self._fisher_type != "forward-only":
                     generator = batch_generator(self._seed, index, self.device)
@@ -308,17 +317,18 @@ class KFACOperator(ModelDataOperator):
                          for c in calls[layer]]  # fmt: skip
                     g = None
                     if gradients is not None:
-                        g = torch.cat([_output_rows(layer, t) for t in gradients[layer]], dim=2)
-                    yield weight, layer, torch.cat(a, dim=1), g
+                        g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
+                    yield weight, layer, _concatenated(a, 1), g
 
     def _forward(
-        self, X, capture: Capture, layers: list[nn.Module]
+        self, X, capture: Capture, layers: list[nn.Module], parameters: dict | None = None
     ) -> tuple[Tensor, dict[nn.Module, list[ModuleCall]]]:
-        """Run the model; return its output (in the graph) and each layer's calls."""
+        """Run the model (with ``parameters`` in place of its own, if given); return its
+        output (in the graph) and each layer's calls."""
         capture.arm()
         try:
-            with torch.enable_grad():
-                output = forward_keeping_buffers(self._model, X)
+            with torch.enable_grad():  # the capture records calls with gradients enabled
+                output = forward_keeping_buffers(self._model, X, parameters)
         finally:
             capture.disarm()
         calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
@@ -351,7 +361,7 @@ class KFACOperator(ModelDataOperator):
     # ---------------------------------------------------------------------------------------
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return blockwise(self.blocks, M, lambda block, V: block.B @ V @ block.A)
+        return blockwise(self.blocks, M, lambda block, V: block.B @ (V @ block.A))
 
     def _spectrum(self, block: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(Q_B, Q_A, b, a, S) of a block: the eigendecompositions of its factors and the
@@ -374,13 +384,14 @@ class KFACOperator(ModelDataOperator):
         (``min_damping`` the least damping of a factor)."""
         owner = type(self).__name__
         damping = check_damping(damping, mode, min_damping, owner)
-        inverses = {}
+        inverses, inverted = {}, {}
         for block in self.blocks:
             if mode == "exact":
                 Q_B, Q_A, _, _, S = self._spectrum(block)
                 inverses[id(block)] = exact_inverse(block, Q_B, Q_A, S, damping, owner)
             else:
-                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner)
+                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner,
+                                                       inverted)  # fmt: skip
         return KFACInverseOperator(self, inverses)
 
     def trace(self) -> Tensor:
@@ -430,17 +441,25 @@ class KFACOperator(ModelDataOperator):
     def from_state_dict(cls, state: dict, model: nn.Module, loss_fn, params, data, *,
                         check_deterministic: bool = False, **kwargs):  # fmt: skip
         """The operator of ``state`` (from :meth:`state_dict`) on ``model``, ``loss_fn``,
-        ``params`` and ``data`` with the stored factors and configuration: one counting pass
-        over the data (its size must be the stored ``num_data``), no factor pass.
-        ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
+        ``params`` and ``data`` with the stored factors, configuration and ``num_data``: no
+        pass over the data (a later pass, e.g. ``check_deterministic``, checks that its size
+        is the stored ``num_data``; sharded data is counted, as every process needs the
+        shards' sizes). ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
         configuration = state.get("configuration") if isinstance(state, dict) else None
         if not isinstance(configuration, dict):
             raise ValueError(
                 f"{cls.__name__}.from_state_dict needs the dict that state_dict() returns, got "
                 f"{type(state).__name__} without a 'configuration'."
             )
+        num_data = state.get("num_data")
+        if not isinstance(num_data, int) or isinstance(num_data, bool) or num_data < 1:
+            raise ValueError(
+                f"{cls.__name__}.from_state_dict: the state's num_data must be a positive int, "
+                f"got {num_data!r} (is it from state_dict()?)."
+            )
         operator = cls.__new__(cls)
-        operator._configure(model, loss_fn, params, data, **configuration, **kwargs)
+        operator._configure(model, loss_fn, params, data, **configuration, num_data=num_data,
+                            **kwargs)  # fmt: skip
         operator.load_state_dict(state)
         if check_deterministic:
             operator._check_deterministic()
@@ -502,7 +521,7 @@ class EKFACOperator(KFACOperator):
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
             Q_B, Q_A, _, _, S = self._spectra[id(block)]
-            return Q_B @ ((Q_B.T @ V @ Q_A) * S) @ Q_A.T
+            return Q_B @ (((Q_B.T @ (V @ Q_A)) * S) @ Q_A.T)
 
         return blockwise(self.blocks, M, apply)
 
@@ -558,6 +577,19 @@ def _logdet(factor: Tensor) -> Tensor:
     if int(info) != 0:
         return torch.tensor(-math.inf, dtype=factor.dtype, device=factor.device)
     return 2 * torch.diagonal(L).log().sum()
+
+
+def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
+    """sums[i] += weight rows^T rows, in place after the first batch."""
+    if sums[i] is None:
+        sums[i] = torch.mm(rows.T, rows) if weight == 1.0 else weight * torch.mm(rows.T, rows)
+    else:
+        sums[i].addmm_(rows.T, rows, alpha=weight)
+
+
+def _concatenated(tensors: list[Tensor], dim: int) -> Tensor:
+    """The tensors of a layer's calls joined along ``dim`` (no copy for a single call)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 def _output_gradients(
