@@ -11,8 +11,9 @@ the neighbours.
 
 The features beyond the operators' products (the Hessian's blocks, KFAC's scalars, damped
 inverses, FOOF, KFAC-reduce and state, XTrace / XDiag / the Jacobian's Frobenius norm,
-spectrum boundaries, LSMR, submatrices, curvlinops' EF convention) are timed side by side on
-the MLP: each row is the whole call in both libraries, the same inputs and budget of products.
+spectrum boundaries, LSMR, submatrices, curvlinops' EF and KFAC conventions) are timed side
+by side on the MLP: each row is the whole call in both libraries, the same inputs and budget
+of products.
 
 Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md);
 ``--features`` times only the features and replaces their table in the section.
@@ -379,6 +380,14 @@ def feature_pairs(model, loss_fn, data) -> dict:
             lambda: SubmatrixOperator(G_ours, rows, columns) @ X_sub,
             lambda: curvlinops.SubmatrixLinearOperator(G_theirs, rows, columns) @ X_sub,
         ),
+        "KFAC type-2, convention='curvlinops', construction": (
+            lambda: KFACOperator(
+                model, loss_fn, None, data, fisher_type="type-2", convention="curvlinops", **quiet
+            ),
+            lambda: curvlinops.KFACLinearOperator(
+                model, loss_fn, params, data, fisher_type="type-2", **quiet
+            ).compute_kronecker_factors(),
+        ),  # fmt: skip
         f"EF, convention='curvlinops', {COLUMNS} columns": (
             lambda: EFOperator(model, loss_fn, None, data, convention="curvlinops", **quiet) @ V,
             lambda: curvlinops.EFLinearOperator(model, loss_fn, params, data, **quiet) @ V,

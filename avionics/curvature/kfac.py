@@ -23,6 +23,7 @@ from avionics.curvature._losses import (
     sampled_output_gradients,
 )
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.curvature.conventions import check_convention, datum_scale, per_column_vectors
 from avionics.curvature.kfac_inverse import (
     KFACInverseOperator,
     blockwise,
@@ -98,6 +99,26 @@ class KFACOperator(ModelDataOperator):
     ``"forward-only"`` is FOOF (Benzing, "Gradient descent on neurons and its link to
     approximate second-order optimization", 2022): B = I, no backward pass, I (x) A.
 
+    The two conventions, side by side (``convention``; see
+    :mod:`~avionics.curvature.conventions`):
+
+    * ``"avionics"`` (default, the definitions above): for ``"type-2"`` every column of
+      every sample's and position's loss-Hessian square root is backpropagated on its own
+      (Lambda_b exactly, no products between positions); for ``"empirical"`` Lambda_b is
+      that of :class:`~avionics.curvature.ef.EFOperator`, a datum a sample.
+    * ``"curvlinops"`` (curvlinops' KFACLinearOperator and EKFACLinearOperator, the same
+      numbers): the output rows (class axis split off) are the data; ``"type-2"``
+      backpropagates one vector s_c per column c of the rows' square roots, all rows at
+      once (B gains the products between positions where a layer's rows reach several
+      output rows, e.g. before an attention), and ``"empirical"`` scales B by
+      rho_b / B_b (rows, times C for MSELoss and BCEWithLogitsLoss, per sample, with
+      reduction "mean"). Without positions the two agree, but for that factor C of the
+      empirical B; ``"forward-only"`` is the same in both, ``"mc"`` too in expectation (the
+      libraries draw differently). Two cases are not matched: a weight shared by
+      several modules (curvlinops gives it the factors of the last module that holds it,
+      avionics of the first) and a layer called more than once (curvlinops adds each
+      call's A, avionics averages over all calls' rows).
+
     From the factors, exactly for the matrix B (x) A itself: :meth:`trace`, :meth:`det`,
     :meth:`logdet`, :meth:`frobenius_norm` (tr(B (x) A) = tr B tr A, det = det(B)^{d_A}
     det(A)^{d_B}, ||B (x) A||_F = ||B||_F ||A||_F, summed or multiplied over the blocks);
@@ -118,6 +139,8 @@ class KFACOperator(ModelDataOperator):
         seed: Seed of the draws.
         separate_weight_and_bias: Give each bias its own block.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``, for layers with shared axes.
+        convention: ``"avionics"`` (default) or ``"curvlinops"`` (see above; MSELoss,
+            CrossEntropyLoss and BCEWithLogitsLoss only).
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
             ``distributed``.
 
@@ -150,18 +173,19 @@ class KFACOperator(ModelDataOperator):
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
                  mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
-                 kfac_approx: str = "expand", check_deterministic: bool = True,
-                 **kwargs):  # fmt: skip
+                 kfac_approx: str = "expand", convention: str = "avionics",
+                 check_deterministic: bool = True, **kwargs):  # fmt: skip
         self._configure(model, loss_fn, params, data, fisher_type=fisher_type,
                         mc_samples=mc_samples, seed=seed, kfac_approx=kfac_approx,
-                        separate_weight_and_bias=separate_weight_and_bias, **kwargs)  # fmt: skip
+                        separate_weight_and_bias=separate_weight_and_bias,
+                        convention=convention, **kwargs)  # fmt: skip
         self._compute_factors()
         if check_deterministic:
             self._check_deterministic()
 
     def _configure(self, model, loss_fn, params, data, *, fisher_type: str, mc_samples: int,
                    seed: int, kfac_approx: str, separate_weight_and_bias: bool,
-                   **kwargs) -> None:  # fmt: skip
+                   convention: str = "avionics", **kwargs) -> None:  # fmt: skip
         """Check the arguments, resolve the parameters and find the blocks (no factors)."""
         owner = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -176,6 +200,7 @@ class KFACOperator(ModelDataOperator):
             )
         if fisher_type == "mc":
             check_samplable(loss_fn)
+        self._convention = check_convention(convention, loss_fn, owner)
         self._fisher_type = fisher_type
         self._mc_samples = check_positive_int(
             mc_samples, "mc_samples", owner, "pass the number of draws, e.g. 1"
@@ -195,6 +220,7 @@ class KFACOperator(ModelDataOperator):
             "seed": self._seed,
             "separate_weight_and_bias": self._separate_weight_and_bias,
             "kfac_approx": self._kfac_approx,
+            "convention": self._convention,
         }
 
     def _find_blocks(self) -> list[KroneckerBlock]:
@@ -349,11 +375,16 @@ class KFACOperator(ModelDataOperator):
         if self._fisher_type == "mc":
             S, kappa = sampled_output_gradients(self._loss_fn, output, self._mc_samples, generator)
             return (kappa / self._mc_samples) ** 0.5 * S
+        curvlinops = self._convention == "curvlinops"
         if self._fisher_type == "type-2":
-            return output_hessian_square_root(self._loss_fn, output, y)
-        # empirical: Lambda_b = blockdiag_n(G_n G_n^T) / c_b (see EFOperator)
+            roots = output_hessian_square_root(self._loss_fn, output, y)
+            return per_column_vectors(roots, output, self._loss_fn) if curvlinops else roots
+        # empirical: Lambda_b = blockdiag_n(G_n G_n^T) / c_b (see EFOperator), or rho_b
+        # blockdiag_r(G_r G_r^T) in curvlinops' convention (avionics.curvature.conventions)
         G = grad(lambda f: self._loss_fn(f, y))(output)
         inverse_c = output.shape[0] if self._loss_fn.reduction == "mean" else 1.0
+        if curvlinops:
+            inverse_c = datum_scale(output, self._loss_fn, type(self).__name__)
         return (inverse_c**0.5 * G).unsqueeze(0)
 
     # ---------------------------------------------------------------------------------------
@@ -428,7 +459,7 @@ class KFACOperator(ModelDataOperator):
     def state_dict(self) -> dict:
         """The factors with what they were computed for: the operator's kind, the parameter
         names, the block layout, ``num_data`` and the configuration (fisher_type,
-        mc_samples, seed, separate_weight_and_bias, kfac_approx). Not the model's own
+        mc_samples, seed, separate_weight_and_bias, kfac_approx, convention). Not the model's own
         parameters: store ``model.state_dict()`` beside it."""
         return operator_state(self)
 

@@ -7,7 +7,8 @@ A state is a dict of plain Python values and tensors (``torch.save`` stores it):
 * ``parameters``: the parameter names, in the operator's order;
 * ``blocks``: the parameter names of every block, in block order;
 * ``num_data``: the number of samples the factors are of;
-* ``configuration``: fisher_type, mc_samples, seed, separate_weight_and_bias, kfac_approx;
+* ``configuration``: fisher_type, mc_samples, seed, separate_weight_and_bias, kfac_approx,
+  convention;
 * ``factors``: per block a dict of tensors: ``B`` [d_out, d_out], ``A`` [d_A, d_A] (and for
   EKFAC its eigenbases ``Q_B``, ``Q_A`` and corrected eigenvalues ``S`` [d_out, d_A]).
 

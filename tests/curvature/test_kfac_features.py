@@ -250,7 +250,7 @@ def test_state_dict_round_trip(name, operator):
                                atol=0)  # fmt: skip
     assert loaded.state_dict()["configuration"] == {
         "fisher_type": "mc", "mc_samples": 1, "seed": 3, "separate_weight_and_bias": True,
-        "kfac_approx": "reduce",
+        "kfac_approx": "reduce", "convention": "avionics",
     }  # fmt: skip
     # load_state_dict into an operator of other factors (another seed) makes it K
     other = operator(model, loss_fn, KFAC_PARAMS[name], data, seed=4, kfac_approx="reduce")
