@@ -523,9 +523,14 @@ class EKFACOperator(KFACOperator):
 
     def _compute_factors(self) -> None:
         super()._compute_factors()
-        bases = {}
-        for block in self.blocks:
-            bases[id(block)] = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
+        eigenvectors: dict[int, Tensor] = {}  # each factor once (a weight and its bias share B)
+
+        def eigenbasis(factor: Tensor) -> Tensor:
+            if id(factor) not in eigenvectors:
+                eigenvectors[id(factor)] = torch.linalg.eigh(factor)[1]
+            return eigenvectors[id(factor)]
+
+        bases = {id(block): (eigenbasis(block.B), eigenbasis(block.A)) for block in self.blocks}
         shapes = [(len(Q_B), len(Q_A)) for Q_B, Q_A in bases.values()]
         corrections = self._sum_over_processes(
             lambda: self._local_corrections(bases), shapes, "eigenvalue corrections"
@@ -545,7 +550,14 @@ class EKFACOperator(KFACOperator):
             for block in (b for b in self.blocks if b.layer is layer):
                 Q_B, Q_A = bases[id(block)]
                 rows = a if block.has_weight else torch.ones_like(a[..., :1])
-                rotated = torch.einsum("knro,nri->knoi", g @ Q_B, rows @ Q_A)
+                g_rotated, a_rotated = g @ Q_B, rows @ Q_A  # [K, N, R, d_out], [N, R, d_A]
+                if a.shape[1] == 1:
+                    # one row per sample: G_{k,n} = g_{k,n} a_n^T is of rank one, so
+                    # (Q_B^T G Q_A)_ij^2 = (Q_B^T g)_i^2 (Q_A^T a)_j^2 and S a matrix product
+                    squares = g_rotated[:, :, 0].square().sum(dim=0)  # [N, d_out]
+                    S[id(block)].addmm_(squares.T, a_rotated[:, 0].square(), alpha=weight)
+                    continue
+                rotated = torch.einsum("knro,nri->knoi", g_rotated, a_rotated)
                 S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
         return [S[id(block)] for block in self.blocks]
 

@@ -101,7 +101,7 @@ def curvlinops_factors_by_autograd(model, loss_fn, data, layers, fisher_type):
 
 @pytest.mark.parametrize("fisher_type", ["type-2", "empirical"])
 @pytest.mark.parametrize("loss_name", LOSSES)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "tied"])
 def test_curvlinops_convention_is_its_formula(name, loss_name, fisher_type):
     for reduction in ("mean", "sum"):
         model, loss_fn, data, _ = problem(name, loss_name, reduction)
