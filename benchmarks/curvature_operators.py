@@ -11,11 +11,13 @@ the neighbours.
 
 The features beyond the operators' products (the Hessian's blocks, KFAC's scalars, damped
 inverses, FOOF, KFAC-reduce and state, XTrace / XDiag / the Jacobian's Frobenius norm,
-spectrum boundaries, LSMR, submatrices, curvlinops' EF convention) are timed side by side on
-the MLP: each row is the whole call in both libraries, the same inputs and budget of products.
+spectrum boundaries, LSMR, submatrices, curvlinops' EF and KFAC conventions) are timed side
+by side on the MLP: each row is the whole call in both libraries, the same inputs and budget
+of products.
 
 Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md);
-``--features`` times only the features and replaces their table in the section.
+``--features`` times only the features and replaces their table in the section, and
+``--problems`` with some of the problems replaces only their tables.
 """
 
 from __future__ import annotations
@@ -379,6 +381,14 @@ def feature_pairs(model, loss_fn, data) -> dict:
             lambda: SubmatrixOperator(G_ours, rows, columns) @ X_sub,
             lambda: curvlinops.SubmatrixLinearOperator(G_theirs, rows, columns) @ X_sub,
         ),
+        "KFAC type-2, convention='curvlinops', construction": (
+            lambda: KFACOperator(
+                model, loss_fn, None, data, fisher_type="type-2", convention="curvlinops", **quiet
+            ),
+            lambda: curvlinops.KFACLinearOperator(
+                model, loss_fn, params, data, fisher_type="type-2", **quiet
+            ).compute_kronecker_factors(),
+        ),  # fmt: skip
         f"EF, convention='curvlinops', {COLUMNS} columns": (
             lambda: EFOperator(model, loss_fn, None, data, convention="curvlinops", **quiet) @ V,
             lambda: curvlinops.EFLinearOperator(model, loss_fn, params, data, **quiet) @ V,
@@ -411,10 +421,26 @@ def run_features(repeats: int) -> str:
 
 def with_features(section: str, features: str) -> str:
     """``section`` with its features table replaced by (or appended as) ``features``."""
-    pattern = re.compile(re.escape(FEATURES_HEADING) + r".*?(?=\n### |\Z)", re.S)
+    return with_table(section, FEATURES_HEADING, features)
+
+
+def with_table(section: str, heading: str, text: str) -> str:
+    """``section`` with the part under ``heading`` (up to the next ### heading) replaced by
+    ``text``, or ``text`` appended where there is none."""
+    pattern = re.compile(re.escape(heading) + r"\n.*?(?=\n+### |\s*\Z)", re.S)
     if pattern.search(section):
-        return pattern.sub(lambda _: features, section)
-    return section.rstrip() + "\n\n" + features
+        return pattern.sub(lambda _: text.rstrip(), section)
+    return section.rstrip() + "\n\n" + text
+
+
+def with_problems(section: str, measured: str, problems: list[str]) -> str:
+    """``section`` with the tables of ``problems`` replaced by those of ``measured`` (the
+    output of :func:`run` for them); the other tables and the features stay."""
+    for name in problems:
+        heading = f"### {name}"
+        match = re.search(re.escape(heading) + r"\n.*?(?=\n+### |\s*\Z)", measured, re.S)
+        section = with_table(section, heading, match.group(0))
+    return section
 
 
 def current_section() -> str:
@@ -493,11 +519,14 @@ def main() -> None:
     parser.add_argument("--no-write", action="store_true", help="print, don't write the file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    features = run_features(args.feature_repeats)
+    repeats = dict(zip(PROBLEMS, args.repeats))
     if args.features:
-        markdown = with_features(current_section(), features)
+        markdown = with_features(current_section(), run_features(args.feature_repeats))
+    elif set(args.problems) != set(PROBLEMS):  # a re-run of some problems: their tables only
+        measured = run(args.problems, repeats)
+        markdown = with_problems(current_section(), measured, args.problems)
     else:
-        markdown = with_features(run(args.problems, dict(zip(PROBLEMS, args.repeats))), features)
+        markdown = with_features(run(args.problems, repeats), run_features(args.feature_repeats))
     print(markdown)
     if not args.no_write:
         write_section("curvature-operators", markdown)

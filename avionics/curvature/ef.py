@@ -6,10 +6,8 @@ from torch import Tensor, nn
 from torch.func import grad
 
 from avionics.curvature._losses import OutputProduct
+from avionics.curvature.conventions import check_convention, class_axis, datum_scale
 from avionics.curvature.ggn import GGNOperator
-
-CONVENTIONS = ("avionics", "curvlinops")
-CURVLINOPS_LOSSES = (nn.MSELoss, nn.CrossEntropyLoss, nn.BCEWithLogitsLoss)
 
 
 class EFOperator(GGNOperator):
@@ -55,17 +53,7 @@ class EFOperator(GGNOperator):
     """
 
     def __init__(self, model, loss_fn, params, data, *, convention: str = "avionics", **kwargs):
-        if convention not in CONVENTIONS:
-            raise ValueError(
-                f"EFOperator: convention must be one of {CONVENTIONS}, got {convention!r}."
-            )
-        if convention == "curvlinops" and not isinstance(loss_fn, CURVLINOPS_LOSSES):
-            raise ValueError(
-                "EFOperator: convention='curvlinops' is defined for MSELoss, CrossEntropyLoss "
-                f"and BCEWithLogitsLoss (those curvlinops takes), got {loss_fn!r}; use the "
-                "default convention='avionics'."
-            )
-        self._convention = convention
+        self._convention = check_convention(convention, loss_fn, "EFOperator")
         super().__init__(model, loss_fn, params, data, **kwargs)
 
     def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
@@ -83,19 +71,10 @@ class EFOperator(GGNOperator):
 
 def _per_row_outer_product(G: Tensor, loss_fn: nn.Module) -> OutputProduct:
     """u -> rho_b blockdiag_r(G_r G_r^T) u, the rows r split along the class axis."""
-    if G.ndim < 2:
-        raise ValueError(
-            "EFOperator: convention='curvlinops' needs model outputs with a class axis "
-            f"([N, C, ...] for CrossEntropyLoss, [N, ..., C] otherwise), got shape "
-            f"{list(G.shape)}; use convention='avionics'."
-        )
-    class_axis = 1 if isinstance(loss_fn, nn.CrossEntropyLoss) else G.ndim - 1
-    rho = 1.0
-    if loss_fn.reduction == "mean":
-        rows = G.numel() // G.shape[class_axis]
-        rho = rows if isinstance(loss_fn, nn.CrossEntropyLoss) else G.numel()
+    axis = class_axis(G, loss_fn, "EFOperator")
+    rho = datum_scale(G, loss_fn, "EFOperator")
 
     def product(u: Tensor) -> Tensor:
-        return rho * G * (G * u).sum(dim=class_axis, keepdim=True)
+        return rho * G * (G * u).sum(dim=axis, keepdim=True)
 
     return product

@@ -23,6 +23,7 @@ from avionics.curvature._losses import (
     sampled_output_gradients,
 )
 from avionics.curvature.base import CurvatureLinearOperator
+from avionics.curvature.conventions import check_convention, datum_scale, per_column_vectors
 from avionics.curvature.kfac_inverse import (
     KFACInverseOperator,
     blockwise,
@@ -98,6 +99,26 @@ class KFACOperator(ModelDataOperator):
     ``"forward-only"`` is FOOF (Benzing, "Gradient descent on neurons and its link to
     approximate second-order optimization", 2022): B = I, no backward pass, I (x) A.
 
+    The two conventions, side by side (``convention``; see
+    :mod:`~avionics.curvature.conventions`):
+
+    * ``"avionics"`` (default, the definitions above): for ``"type-2"`` every column of
+      every sample's and position's loss-Hessian square root is backpropagated on its own
+      (Lambda_b exactly, no products between positions); for ``"empirical"`` Lambda_b is
+      that of :class:`~avionics.curvature.ef.EFOperator`, a datum a sample.
+    * ``"curvlinops"`` (curvlinops' KFACLinearOperator and EKFACLinearOperator, the same
+      numbers): the output rows (class axis split off) are the data; ``"type-2"``
+      backpropagates one vector s_c per column c of the rows' square roots, all rows at
+      once (B gains the products between positions where a layer's rows reach several
+      output rows, e.g. before an attention), and ``"empirical"`` scales B by
+      rho_b / B_b (rows, times C for MSELoss and BCEWithLogitsLoss, per sample, with
+      reduction "mean"). Without positions the two agree, but for that factor C of the
+      empirical B; ``"forward-only"`` is the same in both, ``"mc"`` too in expectation (the
+      libraries draw differently). Two cases are not matched: a weight shared by
+      several modules (curvlinops gives it the factors of the last module that holds it,
+      avionics of the first) and a layer called more than once (curvlinops adds each
+      call's A, avionics averages over all calls' rows).
+
     From the factors, exactly for the matrix B (x) A itself: :meth:`trace`, :meth:`det`,
     :meth:`logdet`, :meth:`frobenius_norm` (tr(B (x) A) = tr B tr A, det = det(B)^{d_A}
     det(A)^{d_B}, ||B (x) A||_F = ||B||_F ||A||_F, summed or multiplied over the blocks);
@@ -118,6 +139,8 @@ class KFACOperator(ModelDataOperator):
         seed: Seed of the draws.
         separate_weight_and_bias: Give each bias its own block.
         kfac_approx: ``"expand"`` (default) or ``"reduce"``, for layers with shared axes.
+        convention: ``"avionics"`` (default) or ``"curvlinops"`` (see above; MSELoss,
+            CrossEntropyLoss and BCEWithLogitsLoss only).
         **kwargs: ``num_data``, ``batch_size_fn``, ``check_deterministic``, ``progressbar``,
             ``distributed``.
 
@@ -150,18 +173,19 @@ class KFACOperator(ModelDataOperator):
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
                  mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
-                 kfac_approx: str = "expand", check_deterministic: bool = True,
-                 **kwargs):  # fmt: skip
+                 kfac_approx: str = "expand", convention: str = "avionics",
+                 check_deterministic: bool = True, **kwargs):  # fmt: skip
         self._configure(model, loss_fn, params, data, fisher_type=fisher_type,
                         mc_samples=mc_samples, seed=seed, kfac_approx=kfac_approx,
-                        separate_weight_and_bias=separate_weight_and_bias, **kwargs)  # fmt: skip
+                        separate_weight_and_bias=separate_weight_and_bias,
+                        convention=convention, **kwargs)  # fmt: skip
         self._compute_factors()
         if check_deterministic:
             self._check_deterministic()
 
     def _configure(self, model, loss_fn, params, data, *, fisher_type: str, mc_samples: int,
                    seed: int, kfac_approx: str, separate_weight_and_bias: bool,
-                   **kwargs) -> None:  # fmt: skip
+                   convention: str = "avionics", **kwargs) -> None:  # fmt: skip
         """Check the arguments, resolve the parameters and find the blocks (no factors)."""
         owner = type(self).__name__
         if not isinstance(model, nn.Module):
@@ -176,6 +200,7 @@ class KFACOperator(ModelDataOperator):
             )
         if fisher_type == "mc":
             check_samplable(loss_fn)
+        self._convention = check_convention(convention, loss_fn, owner)
         self._fisher_type = fisher_type
         self._mc_samples = check_positive_int(
             mc_samples, "mc_samples", owner, "pass the number of draws, e.g. 1"
@@ -195,6 +220,7 @@ class KFACOperator(ModelDataOperator):
             "seed": self._seed,
             "separate_weight_and_bias": self._separate_weight_and_bias,
             "kfac_approx": self._kfac_approx,
+            "convention": self._convention,
         }
 
     def _find_blocks(self) -> list[KroneckerBlock]:
@@ -243,42 +269,48 @@ class KFACOperator(ModelDataOperator):
         sums = self._sum_over_processes(self._local_factor_sums, shapes, "Kronecker factors")
         factors = {id(layer): sums[3 * i : 3 * i + 3] for i, layer in enumerate(layers)}
         one = torch.ones(1, 1, dtype=self.dtype, device=self.device)
+        identities = {}  # FOOF: B = I, one per layer (nothing was summed for it)
         for block in self.blocks:
             A_sum, B, rows = factors[id(block.layer)]
-            if self._fisher_type == "forward-only":  # FOOF: B = I
-                B = torch.eye(len(B), dtype=self.dtype, device=self.device)
+            if self._fisher_type == "forward-only":
+                if id(block.layer) not in identities:
+                    d_out = block.layer.weight.shape[0]
+                    identities[id(block.layer)] = torch.eye(d_out, dtype=self.dtype,
+                                                            device=self.device)  # fmt: skip
+                B = identities[id(block.layer)]
             block.B = B
-            block.A = A_sum / rows if block.has_weight else one
+            block.A = A_sum.div_(float(rows)) if block.has_weight else one  # one per layer
 
     def _local_factor_sums(self) -> list[Tensor]:
         """[sum_r a_r a_r^T, B, R] of every layer in turn, over this process's data."""
         layers = self._layers()
-        A_sum = {id(layer): 0.0 for layer in layers}
-        B = {id(layer): 0.0 for layer in layers}
+        sums = {id(layer): [None, None] for layer in layers}  # [sum_r a_r a_r^T, B]
         rows = {id(layer): 0 for layer in layers}
         for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
             if self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
-            A_sum[id(layer)] = A_sum[id(layer)] + a.T @ a
+            layer_sums = sums[id(layer)]
+            _accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
-                g = g.flatten(0, -2)
-                B[id(layer)] = B[id(layer)] + weight * (g.T @ g)
+                _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
             rows[id(layer)] += len(a)
-        sums = []
+        result = []
         for layer in layers:
+            for i, shape in enumerate(self._factor_shapes(layer)[:2]):  # FOOF: B's is [0]
+                if sums[id(layer)][i] is None:
+                    sums[id(layer)][i] = torch.zeros(shape, dtype=self.dtype, device=self.device)
             R = torch.tensor(float(rows[id(layer)]), dtype=torch.float64, device=self.device)
-            if isinstance(B[id(layer)], float):  # forward-only: no backward, B = I later
-                d_out = layer.weight.shape[0]
-                B[id(layer)] = torch.zeros(d_out, d_out, dtype=self.dtype, device=self.device)
-            sums += [A_sum[id(layer)], B[id(layer)], R]  # R in float64: an exact count
-        return sums
+            result += [*sums[id(layer)], R]  # R in float64: an exact count
+        return result
 
     def _factor_shapes(self, layer: nn.Module) -> list[tuple[int, ...]]:
-        """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out], []."""
+        """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out] ([0] for
+        ``"forward-only"``, whose B = I needs no sum), []."""
         joint = any(b.layer is layer and b.has_weight and b.has_bias for b in self.blocks)
         d_in, d_out = layer.weight[0].numel() + joint, layer.weight.shape[0]
-        return [(d_in, d_in), (d_out, d_out), ()]
+        B_shape = (0,) if self._fisher_type == "forward-only" else (d_out, d_out)
+        return [(d_in, d_in), B_shape, ()]
 
     def _layers(self) -> list[nn.Module]:
         return list({id(block.layer): block.layer for block in self.blocks}.values())
@@ -294,9 +326,12 @@ class KFACOperator(ModelDataOperator):
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
         capture = Capture(self._model, layers)
+        parameters = None
+        if self._fisher_type == "forward-only":  # no backward pass: no graph to build
+            parameters = {name: p.detach() for name, p in self._model.named_parameters()}
         with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
-                output, calls = self._forward(X, capture, layers)
+                output, calls = self._forward(X, capture, layers, parameters)
                 gradients = None
                 if self._fisher_type != "forward-only":
                     generator = batch_generator(self._seed, index, self.device)
@@ -308,17 +343,18 @@ class KFACOperator(ModelDataOperator):
                          for c in calls[layer]]  # fmt: skip
                     g = None
                     if gradients is not None:
-                        g = torch.cat([_output_rows(layer, t) for t in gradients[layer]], dim=2)
-                    yield weight, layer, torch.cat(a, dim=1), g
+                        g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
+                    yield weight, layer, _concatenated(a, 1), g
 
     def _forward(
-        self, X, capture: Capture, layers: list[nn.Module]
+        self, X, capture: Capture, layers: list[nn.Module], parameters: dict | None = None
     ) -> tuple[Tensor, dict[nn.Module, list[ModuleCall]]]:
-        """Run the model; return its output (in the graph) and each layer's calls."""
+        """Run the model (with ``parameters`` in place of its own, if given); return its
+        output (in the graph) and each layer's calls."""
         capture.arm()
         try:
-            with torch.enable_grad():
-                output = forward_keeping_buffers(self._model, X)
+            with torch.enable_grad():  # the capture records calls with gradients enabled
+                output = forward_keeping_buffers(self._model, X, parameters)
         finally:
             capture.disarm()
         calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
@@ -339,11 +375,16 @@ class KFACOperator(ModelDataOperator):
         if self._fisher_type == "mc":
             S, kappa = sampled_output_gradients(self._loss_fn, output, self._mc_samples, generator)
             return (kappa / self._mc_samples) ** 0.5 * S
+        curvlinops = self._convention == "curvlinops"
         if self._fisher_type == "type-2":
-            return output_hessian_square_root(self._loss_fn, output, y)
-        # empirical: Lambda_b = blockdiag_n(G_n G_n^T) / c_b (see EFOperator)
+            roots = output_hessian_square_root(self._loss_fn, output, y)
+            return per_column_vectors(roots, output, self._loss_fn) if curvlinops else roots
+        # empirical: Lambda_b = blockdiag_n(G_n G_n^T) / c_b (see EFOperator), or rho_b
+        # blockdiag_r(G_r G_r^T) in curvlinops' convention (avionics.curvature.conventions)
         G = grad(lambda f: self._loss_fn(f, y))(output)
         inverse_c = output.shape[0] if self._loss_fn.reduction == "mean" else 1.0
+        if curvlinops:
+            inverse_c = datum_scale(output, self._loss_fn, type(self).__name__)
         return (inverse_c**0.5 * G).unsqueeze(0)
 
     # ---------------------------------------------------------------------------------------
@@ -351,7 +392,7 @@ class KFACOperator(ModelDataOperator):
     # ---------------------------------------------------------------------------------------
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return blockwise(self.blocks, M, lambda block, V: block.B @ V @ block.A)
+        return blockwise(self.blocks, M, lambda block, V: block.B @ (V @ block.A))
 
     def _spectrum(self, block: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(Q_B, Q_A, b, a, S) of a block: the eigendecompositions of its factors and the
@@ -374,13 +415,14 @@ class KFACOperator(ModelDataOperator):
         (``min_damping`` the least damping of a factor)."""
         owner = type(self).__name__
         damping = check_damping(damping, mode, min_damping, owner)
-        inverses = {}
+        inverses, inverted = {}, {}
         for block in self.blocks:
             if mode == "exact":
                 Q_B, Q_A, _, _, S = self._spectrum(block)
                 inverses[id(block)] = exact_inverse(block, Q_B, Q_A, S, damping, owner)
             else:
-                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner)
+                inverses[id(block)] = factored_inverse(block, damping, mode, min_damping, owner,
+                                                       inverted)  # fmt: skip
         return KFACInverseOperator(self, inverses)
 
     def trace(self) -> Tensor:
@@ -417,7 +459,7 @@ class KFACOperator(ModelDataOperator):
     def state_dict(self) -> dict:
         """The factors with what they were computed for: the operator's kind, the parameter
         names, the block layout, ``num_data`` and the configuration (fisher_type,
-        mc_samples, seed, separate_weight_and_bias, kfac_approx). Not the model's own
+        mc_samples, seed, separate_weight_and_bias, kfac_approx, convention). Not the model's own
         parameters: store ``model.state_dict()`` beside it."""
         return operator_state(self)
 
@@ -430,17 +472,25 @@ class KFACOperator(ModelDataOperator):
     def from_state_dict(cls, state: dict, model: nn.Module, loss_fn, params, data, *,
                         check_deterministic: bool = False, **kwargs):  # fmt: skip
         """The operator of ``state`` (from :meth:`state_dict`) on ``model``, ``loss_fn``,
-        ``params`` and ``data`` with the stored factors and configuration: one counting pass
-        over the data (its size must be the stored ``num_data``), no factor pass.
-        ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
+        ``params`` and ``data`` with the stored factors, configuration and ``num_data``: no
+        pass over the data (a later pass, e.g. ``check_deterministic``, checks that its size
+        is the stored ``num_data``; sharded data is counted, as every process needs the
+        shards' sizes). ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
         configuration = state.get("configuration") if isinstance(state, dict) else None
         if not isinstance(configuration, dict):
             raise ValueError(
                 f"{cls.__name__}.from_state_dict needs the dict that state_dict() returns, got "
                 f"{type(state).__name__} without a 'configuration'."
             )
+        num_data = state.get("num_data")
+        if not isinstance(num_data, int) or isinstance(num_data, bool) or num_data < 1:
+            raise ValueError(
+                f"{cls.__name__}.from_state_dict: the state's num_data must be a positive int, "
+                f"got {num_data!r} (is it from state_dict()?)."
+            )
         operator = cls.__new__(cls)
-        operator._configure(model, loss_fn, params, data, **configuration, **kwargs)
+        operator._configure(model, loss_fn, params, data, **configuration, num_data=num_data,
+                            **kwargs)  # fmt: skip
         operator.load_state_dict(state)
         if check_deterministic:
             operator._check_deterministic()
@@ -473,9 +523,14 @@ class EKFACOperator(KFACOperator):
 
     def _compute_factors(self) -> None:
         super()._compute_factors()
-        bases = {}
-        for block in self.blocks:
-            bases[id(block)] = torch.linalg.eigh(block.B)[1], torch.linalg.eigh(block.A)[1]
+        eigenvectors: dict[int, Tensor] = {}  # each factor once (a weight and its bias share B)
+
+        def eigenbasis(factor: Tensor) -> Tensor:
+            if id(factor) not in eigenvectors:
+                eigenvectors[id(factor)] = torch.linalg.eigh(factor)[1]
+            return eigenvectors[id(factor)]
+
+        bases = {id(block): (eigenbasis(block.B), eigenbasis(block.A)) for block in self.blocks}
         shapes = [(len(Q_B), len(Q_A)) for Q_B, Q_A in bases.values()]
         corrections = self._sum_over_processes(
             lambda: self._local_corrections(bases), shapes, "eigenvalue corrections"
@@ -495,14 +550,21 @@ class EKFACOperator(KFACOperator):
             for block in (b for b in self.blocks if b.layer is layer):
                 Q_B, Q_A = bases[id(block)]
                 rows = a if block.has_weight else torch.ones_like(a[..., :1])
-                rotated = torch.einsum("knro,nri->knoi", g @ Q_B, rows @ Q_A)
+                g_rotated, a_rotated = g @ Q_B, rows @ Q_A  # [K, N, R, d_out], [N, R, d_A]
+                if a.shape[1] == 1:
+                    # one row per sample: G_{k,n} = g_{k,n} a_n^T is of rank one, so
+                    # (Q_B^T G Q_A)_ij^2 = (Q_B^T g)_i^2 (Q_A^T a)_j^2 and S a matrix product
+                    squares = g_rotated[:, :, 0].square().sum(dim=0)  # [N, d_out]
+                    S[id(block)].addmm_(squares.T, a_rotated[:, 0].square(), alpha=weight)
+                    continue
+                rotated = torch.einsum("knro,nri->knoi", g_rotated, a_rotated)
                 S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
         return [S[id(block)] for block in self.blocks]
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
             Q_B, Q_A, _, _, S = self._spectra[id(block)]
-            return Q_B @ ((Q_B.T @ V @ Q_A) * S) @ Q_A.T
+            return Q_B @ (((Q_B.T @ (V @ Q_A)) * S) @ Q_A.T)
 
         return blockwise(self.blocks, M, apply)
 
@@ -558,6 +620,19 @@ def _logdet(factor: Tensor) -> Tensor:
     if int(info) != 0:
         return torch.tensor(-math.inf, dtype=factor.dtype, device=factor.device)
     return 2 * torch.diagonal(L).log().sum()
+
+
+def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
+    """sums[i] += weight rows^T rows, in place after the first batch."""
+    if sums[i] is None:
+        sums[i] = torch.mm(rows.T, rows) if weight == 1.0 else weight * torch.mm(rows.T, rows)
+    else:
+        sums[i].addmm_(rows.T, rows, alpha=weight)
+
+
+def _concatenated(tensors: list[Tensor], dim: int) -> Tensor:
+    """The tensors of a layer's calls joined along ``dim`` (no copy for a single call)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 def _output_gradients(

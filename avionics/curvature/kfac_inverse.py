@@ -40,9 +40,11 @@ class KFACInverseOperator(CurvatureLinearOperator):
       lambda_B = max(sqrt(lambda) / pi, min_damping).
 
     A bias in its own block has no input factor (its A is the number 1): it gets
-    (B + lambda_B I)^{-1}, with lambda_B = lambda for the heuristic (as curvlinops'
-    KFACInverseLinearOperator). The eigendecompositions are those of the operator; the
-    inverse is computed once, at construction.
+    (B + lambda_B I)^{-1}, with lambda_B = lambda for the heuristic (curvlinops'
+    KFACInverseLinearOperator does so for a layer whose weight is not among the parameters,
+    and otherwise damps the bias's B with the weight's lambda_B). The eigendecompositions
+    are those of the operator; the inverse is computed once, at construction, each damped
+    factor once (a weight and its bias share B).
     """
 
     SELF_ADJOINT = True
@@ -56,8 +58,8 @@ class KFACInverseOperator(CurvatureLinearOperator):
         def apply(block, V: Tensor) -> Tensor:
             left, right, D = self._inverses[id(block)]
             if D is None:
-                return left @ V @ right
-            return left @ ((left.T @ V @ right) / D) @ right.T
+                return left @ (V @ right)
+            return left @ (((left.T @ (V @ right)) / D) @ right.T)
 
         return blockwise(self._blocks, M, apply)
 
@@ -88,21 +90,37 @@ def exact_inverse(block, Q_B: Tensor, Q_A: Tensor, S: Tensor, damping: float, ow
     return Q_B, Q_A, D
 
 
-def factored_inverse(block, damping, mode: str, min_damping: float, owner: str):
+def factored_inverse(block, damping, mode: str, min_damping: float, owner: str,
+                     inverted: dict) -> tuple[Tensor, Tensor, None]:  # fmt: skip
     """((B + lambda_B I)^{-1}, (A + lambda_A I)^{-1}, None) of a block by Cholesky; a lone
-    bias has no input factor to damp (its A is the number 1)."""
+    bias has no input factor to damp (its A is the number 1, its own inverse).
+    ``inverted``: the damped inverses already computed, by (id(factor), lambda), which
+    blocks sharing a factor (a weight and its bias) with the same damping share."""
     if mode == "heuristic":
         lambda_A, lambda_B = _heuristic_damping(block, damping, min_damping)
     else:
         lambda_A, lambda_B = damping
-    inverses = []
-    for factor, value in ((block.B, lambda_B), (block.A, lambda_A if block.has_weight else 0)):
-        eye = torch.eye(len(factor), dtype=factor.dtype, device=factor.device)
-        L, info = torch.linalg.cholesky_ex(factor + value * eye)
-        if int(info) != 0:
+    A_inverse = block.A
+    if block.has_weight:
+        A_inverse = _damped_inverse(block, block.A, lambda_A, owner, inverted)
+    return _damped_inverse(block, block.B, lambda_B, owner, inverted), A_inverse, None
+
+
+def _damped_inverse(block, factor: Tensor, damping: float, owner: str, inverted: dict):
+    """(factor + damping I)^{-1} by Cholesky (cached in ``inverted``)."""
+    key = (id(factor), damping)
+    if key not in inverted:
+        damped = factor.clone()
+        damped.diagonal().add_(damping)
+        L, info = torch.linalg.cholesky_ex(damped)
+        # singular to working precision: no factorisation, or a pivot L_ii^2 (>= the least
+        # eigenvalue) at rounding level, where an exactly singular factor may land
+        pivots = torch.diagonal(L).square()
+        tiny = torch.finfo(L.dtype).eps * len(L) * torch.diagonal(damped).abs().max()
+        if int(info) != 0 or not bool((pivots > tiny).all()):
             _singular(block, owner)
-        inverses.append(torch.cholesky_inverse(L))
-    return inverses[0], inverses[1], None
+        inverted[key] = torch.cholesky_inverse(L)
+    return inverted[key]
 
 
 def _singular(block, owner: str):
@@ -141,12 +159,15 @@ def blockwise(
     M: list[Tensor],
     apply: Callable[..., Tensor],
 ) -> list[Tensor]:
-    """Apply each block's map to its parameters' columns, as matrices V [K, d_out, d_in]."""
+    """Apply each block's map to its parameters' columns, as matrices V [K, d_out, d_in].
+
+    The maps multiply V by the input-side matrix first, (V @ A): one matrix product of
+    [K d_out, d_in] by [d_in, d_in], the larger of the two, faster than K batched ones."""
     result = [None] * len(M)
     for block in blocks:
         # weights [K, d_out, C_in (kh kw)], biases [K, d_out, 1]
         parts = [M[i].reshape(M[i].shape[0], M[i].shape[1], -1) for i in block.param_indices]
-        AV = apply(block, torch.cat(parts, dim=2))
+        AV = apply(block, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
         widths = [p.shape[-1] for p in parts]
         for i, part in zip(block.param_indices, AV.split(widths, dim=2)):
             result[i] = part.reshape(M[i].shape)

@@ -7,7 +7,8 @@ A state is a dict of plain Python values and tensors (``torch.save`` stores it):
 * ``parameters``: the parameter names, in the operator's order;
 * ``blocks``: the parameter names of every block, in block order;
 * ``num_data``: the number of samples the factors are of;
-* ``configuration``: fisher_type, mc_samples, seed, separate_weight_and_bias, kfac_approx;
+* ``configuration``: fisher_type, mc_samples, seed, separate_weight_and_bias, kfac_approx,
+  convention;
 * ``factors``: per block a dict of tensors: ``B`` [d_out, d_out], ``A`` [d_A, d_A] (and for
   EKFAC its eigenbases ``Q_B``, ``Q_A`` and corrected eigenvalues ``S`` [d_out, d_A]).
 
@@ -26,11 +27,20 @@ FACTOR_SHAPES = {"B": ("out", "out"), "A": ("in", "in"), "Q_B": ("out", "out"),
 
 
 def operator_state(operator) -> dict:
-    """The state of ``operator`` (see the module docstring); the tensors are copies."""
+    """The state of ``operator`` (see the module docstring); the tensors are copies, one of
+    each factor, so that a factor the blocks share (the B of a weight and its bias) stays
+    shared, also through ``torch.save``."""
+    copies: dict[int, Tensor] = {}
+
+    def copy(tensor: Tensor) -> Tensor:
+        if id(tensor) not in copies:
+            copies[id(tensor)] = tensor.detach().clone()
+        return copies[id(tensor)]
+
     return {
         **operator_state_header(operator),
         "factors": [
-            {key: tensor.detach().clone() for key, tensor in entry.items()}
+            {key: copy(tensor) for key, tensor in entry.items()}
             for entry in operator._factor_state()
         ],  # fmt: skip
     }
@@ -57,8 +67,19 @@ def check_state(operator, state) -> list[dict[str, Tensor]]:
     if not isinstance(factors, list) or len(factors) != len(operator.blocks):
         raise ValueError(f"{owner}: the state's factors must be a list of one dict per block "
                          f"({len(operator.blocks)}).")  # fmt: skip
-    return [_check_block_factors(operator, block, entry, owner)
-            for block, entry in zip(operator.blocks, factors)]  # fmt: skip
+    checked = [_check_block_factors(operator, block, entry, owner)
+               for block, entry in zip(operator.blocks, factors)]  # fmt: skip
+    # one check of all factors, each distinct tensor once (a NaN or inf entry spreads into
+    # its tensor's sum); the block that has it is looked for only when there is one
+    distinct = {id(tensor): tensor for entry in checked for tensor in entry.values()}
+    sums = [tensor.sum() for tensor in distinct.values()]
+    if not bool(torch.isfinite(torch.stack(sums)).all()):
+        for block, entry in zip(operator.blocks, checked):
+            for key, tensor in entry.items():
+                if not bool(torch.isfinite(tensor).all()):
+                    raise ValueError(f"{owner}: factor {key} of block {block.describe()} is "
+                                     "not finite.")  # fmt: skip
+    return checked
 
 
 def operator_state_header(operator) -> dict:
@@ -79,9 +100,10 @@ def _check_block_factors(operator, block, entry, owner: str) -> dict[str, Tensor
         found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
         raise ValueError(f"{owner}: the factors of block {block.describe()} must be a dict "
                          f"with {list(keys)}, got {found}.")  # fmt: skip
-    sizes = {"out": block.layer.weight.shape[0], "in": 1}
+    weight = block.layer.weight
+    sizes = {"out": weight.shape[0], "in": 1}
     if block.has_weight:
-        sizes["in"] = block.layer.weight[0].numel() + block.has_bias
+        sizes["in"] = weight.numel() // weight.shape[0] + block.has_bias
     checked = {}
     for key in keys:
         tensor, shape = entry[key], tuple(sizes[axis] for axis in FACTOR_SHAPES[key])
@@ -89,8 +111,7 @@ def _check_block_factors(operator, block, entry, owner: str) -> dict[str, Tensor
             got = tuple(tensor.shape) if isinstance(tensor, Tensor) else type(tensor).__name__
             raise ValueError(f"{owner}: factor {key} of block {block.describe()} must be a "
                              f"tensor of shape {shape}, got {got}.")  # fmt: skip
-        if not bool(torch.isfinite(tensor.sum())):  # one pass: a NaN or inf entry spreads
-            raise ValueError(f"{owner}: factor {key} of block {block.describe()} is not "
-                             "finite.")  # fmt: skip
-        checked[key] = tensor.detach().to(dtype=operator.dtype, device=operator.device)
+        same = tensor.dtype == operator.dtype and tensor.device == operator.device
+        checked[key] = tensor if same and not tensor.requires_grad else tensor.detach().to(
+            dtype=operator.dtype, device=operator.device)  # fmt: skip
     return checked

@@ -76,11 +76,3 @@ def test_curvlinops_convention_equals_curvlinops(name, loss_name):
         expected = reference @ torch.eye(reference.shape[1], dtype=torch.float64)
     F = EFOperator(model, loss_fn, None, data, convention="curvlinops")
     torch.testing.assert_close(dense(F), expected)
-
-
-def test_bad_conventions_are_refused():
-    model, loss_fn, data, _ = problem("mlp")
-    with pytest.raises(ValueError, match=r"convention must be one of \('avionics', 'curvl"):
-        EFOperator(model, loss_fn, None, data, convention="backpack")
-    with pytest.raises(ValueError, match=r"defined for MSELoss, CrossEntropyLoss and BCEWith"):
-        EFOperator(model, nn.HuberLoss(), None, data, convention="curvlinops")
