@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import real_models
 import torch
 
@@ -23,10 +24,15 @@ TINY = {
     "vit": lambda **kw: real_models.vit(n=3, **kw),
 }
 PRESETS = ("economy", "business", "full", "transformer")
-# The richer presets under the frameworks (minutes on two cores): on the causal LM (token
-# losses, auto's Monte-Carlo GGN diagonal), the ViT (root-level parameters) and the ResNet
-# (train-mode BatchNorm).
-RICHER = [(name, preset) for name in ("gpt2", "vit", "resnet") for preset in PRESETS[1:]]
+# Under the frameworks: economy on every architecture; the richer presets (HessMaxEV's
+# Lanczos, the curvature diagonals: slow, minutes on two cores) on the causal LM (token losses,
+# auto's Monte-Carlo GGN diagonal), the ViT (root-level parameters) and the ResNet (train-mode
+# BatchNorm).
+FRAMEWORK_RUNS = [pytest.param(name, "economy", id=f"{name}-economy") for name in sorted(TINY)] + [
+    pytest.param(name, preset, id=f"{name}-{preset}", marks=pytest.mark.slow)
+    for name in ("gpt2", "vit", "resnet")
+    for preset in PRESETS[1:]
+]
 
 
 def optimizer_for(preset: str, params) -> torch.optim.Optimizer:
