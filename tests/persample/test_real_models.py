@@ -299,3 +299,15 @@ def test_every_preset_runs_two_steps_with_another_model_s_forward_between(name, 
         warnings.simplefilter("always")
         output = two_tracked_steps(model, X, y, loss_fn, preset)
     assert_the_preset_ran(output, preset, [str(w.message) for w in caught])
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_every_architecture_s_per_sample_gradients_equal_brute_force(name, rules):
+    """Issue 24's seven architectures as the acceptance runs them (the padded causal LM with
+    its shifted labels, the BERT classifier with its attention mask, the LSTM LM's summed
+    token losses, the packed GRU, ...), in float64 and eval mode: exact against the loop over
+    samples, no generic rule."""
+    model, X, y, loss_fn = TINY[name](dtype=torch.float64)
+    with quiet():
+        assert_exact(model.eval(), X, y, loss_fn)
+    assert GenericRule not in rules.values(), rules
