@@ -310,8 +310,8 @@ class CockpitMixin:
         over them."""
         unwrapped = self.accelerator.unwrap_model(model)
         loss_function = unwrapped.loss_function
-        if "pooled_logits" in inspect.signature(loss_function).parameters:
-            # a sequence classifier's: the mean over the batch, as its forward computes it
+        if _classifies_sequences(unwrapped):
+            # the mean over the batch, as a classifier's forward computes it
             loss = loss_function(
                 labels=labels, pooled_logits=outputs["logits"], config=unwrapped.config
             )
@@ -375,21 +375,27 @@ class CockpitMixin:
         """The cockpit's info of a micro-batch and the tensor to backpropagate, whose value
         is the Trainer's ``loss`` (checked). Override for a loss other than the token cross
         entropy of the module docstring."""
-        shift = _shifts_labels(self.accelerator.unwrap_model(self.model))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        shift = _shifts_labels(unwrapped)
         sums = token_cross_entropy_sums(outputs["logits"], labels, shift)
         n, k = len(sums), self.current_gradient_accumulation_steps
-        if self._loss_scaled_for_accumulation(num_items_in_batch):
+        own = self._step_sequences if k > 1 else n  # this process's sequences of the step
+        scaled = self._loss_scaled_for_accumulation(num_items_in_batch)
+        # The Trainer backpropagates (sum of the micro-batch's cross entropies) / Z, times
+        # the processes W where it counted every process's tokens, divided by k where not
+        # scaled for the accumulation; l_n = own * that factor * sum_n, so that the mean of
+        # the l_n over this process's sequences of the step is what it backpropagates.
+        # Z: the model's own (num_items_in_batch where its loss takes it; a sequence
+        # classifier's is the mean over the micro-batch whatever it is given).
+        if scaled and not _classifies_sequences(unwrapped):
             normaliser = num_items_in_batch
         else:
-            normaliser = k * predicted_tokens(labels, shift)
-        own = self._step_sequences if k > 1 else n  # this process's sequences of the step
-        # S: the step's sequences over every process where Z counts every process's tokens
-        # (accelerate gives each process the same number of sequences: even_batches)
+            normaliser = predicted_tokens(labels, shift)
         over_processes = self._tokens_counted_over_processes(num_items_in_batch)
-        sequences = own * (self.accelerator.num_processes if over_processes else 1)
+        factor = (self.accelerator.num_processes if over_processes else 1) / (1 if scaled else k)
         # (a count's tensor would make the ratio an integer tensor's true division: float32)
         normaliser = torch.as_tensor(normaliser, dtype=sums.dtype, device=sums.device)
-        individual_losses = sums * (sequences / normaliser)
+        individual_losses = sums * (own * factor / normaliser)
         mean = individual_losses.mean()
         backpropagated = mean if own == n else mean * (n / own)
         _check_same_loss(backpropagated.detach(), loss.detach())
@@ -404,6 +410,16 @@ class CockpitMixin:
 
 class CockpitTrainer(CockpitMixin, Trainer):
     """``transformers.Trainer`` watched by a cockpit: see :class:`CockpitMixin`."""
+
+
+def _classifies_sequences(model) -> bool:
+    """Whether the model's loss is a sequence classifier's (ForSequenceClassificationLoss:
+    one label per sequence, the mean over the batch)."""
+    loss_function = getattr(model, "loss_function", None)
+    return (
+        loss_function is not None
+        and "pooled_logits" in inspect.signature(loss_function).parameters
+    )
 
 
 def _shifts_labels(model) -> bool:
