@@ -28,6 +28,7 @@ def max_ev_panel(fig, spec, run) -> Axes:
         ("PreconditionedSharpness", "preconditioned", preconditioned, GREEN),
     )  # fmt: skip
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    handles = list(dict.fromkeys(handles))  # (right is ax where one of them has no data)
     ax.legend(handles=handles, loc="upper right", fontsize="small")
     return ax
 
@@ -48,5 +49,6 @@ def tic_panel(fig, spec, run) -> Axes:
     if right is None:
         return ax
     handles = ax.get_legend_handles_labels()[0] + right.get_legend_handles_labels()[0]
+    handles = list(dict.fromkeys(handles))  # (right is ax where one of them has no data)
     ax.legend(handles=handles, loc="upper right", fontsize="small")
     return ax

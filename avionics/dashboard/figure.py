@@ -28,7 +28,7 @@ FIGSIZE = (24, 15)
 # the quantities each primary panel draws (a panel is empty when the run has none of them)
 PANEL_QUANTITIES = {
     alpha_panel: ("Alpha",),
-    distance_panel: ("Distance",),
+    distance_panel: ("Distance", "UpdateSize"),
     grad_norm_panel: ("GradNorm",),
     gradient_tests_panel: ("NormTest", "InnerTest", "OrthoTest"),
     hist1d_panel: ("GradHist1d",),
@@ -46,7 +46,20 @@ SUBSTITUTES = (
     "ActivationHealth rms",
     "GradientNoiseScale",
     "PreconditionedSharpness",
+    "LossOutliers",
 )
+# The instruments each primary panel draws, as a hidden panel's note names them.
+PANEL_NAMES = {
+    alpha_panel: "Alpha distribution",
+    distance_panel: "Distance and update size",
+    grad_norm_panel: "Gradient norm",
+    gradient_tests_panel: "Gradient tests",
+    hist1d_panel: "Gradient element histogram",
+    gradient_hist2d_panel: "Gradient/parameter histogram",
+    max_ev_panel: "Largest Hessian eigenvalue",
+    trace_panel: "Hessian trace",
+    tic_panel: "TIC",
+}
 
 
 def _recorded(run, name: str) -> bool:
@@ -57,6 +70,7 @@ def substitute_panels(run) -> list:
     """Panels ``panel(fig, spec, run)`` of the :data:`SUBSTITUTES` the run recorded."""
     from avionics.dashboard.generic import generic_panel  # (they import this module)
     from avionics.dashboard.health import fraction_panel, rms_panel, update_ratio_panel
+    from avionics.dashboard.outliers import loss_outliers_panel
     from avionics.dashboard.ranks import ranks_panel
     from avionics.records.ranks import processes
 
@@ -73,9 +87,28 @@ def substitute_panels(run) -> list:
         "PreconditionedSharpness": lambda fig, spec, run: generic_panel(
             fig, spec, run, "PreconditionedSharpness"
         ),
+        "LossOutliers": loss_outliers_panel,
     }
     recorded = [panels[key] for key in SUBSTITUTES if _recorded(run, key.split(" ")[0])]
     return [panel for panel in recorded if panel is not None]
+
+
+def _not_recorded_note(fig, spec, panels: list) -> None:
+    """In the place of the first panel left out of a column: which instruments this run did
+    not record, and the quantities that draw them (figure text, no axes)."""
+    lines = [f"{PANEL_NAMES[panel]}: {' or '.join(PANEL_QUANTITIES[panel])}" for panel in panels]
+    box = spec.get_position(fig)
+    fig.text(
+        box.x0 + box.width / 2,
+        box.y1,
+        "Not recorded in this run (add the quantity to draw it):\n" + "\n".join(lines),
+        ha="center",
+        va="top",
+        color="#333333",
+        fontsize="medium",
+        linespacing=1.6,
+        bbox={"boxstyle": "round", "facecolor": "white", "alpha": 0.7, "edgecolor": "none"},
+    )
 
 
 def default_title(run) -> str:
@@ -91,13 +124,14 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
     """Draw the dashboard of ``source`` (a run log path, a :class:`~avionics.records.Run`,
     or a live ``Cockpit``) and save it to ``path`` (.png, .pdf or .svg) if given.
 
-    Every instrument is drawn; one without data is an empty, labelled panel that names the
-    quantity it needs, unless the run recorded an instrument that has no panel here
-    (:data:`SUBSTITUTES`: the per-rank view of several processes, and the "transformer"
-    preset's UpdateRatio, ActivationHealth's dead fractions and RMS, GradientNoiseScale,
-    PreconditionedSharpness), which takes its place, in order. So a preset's own dashboard
-    shows each of its instruments. Histograms show the latest step that
-    has one.
+    Every instrument the run recorded is drawn. The place of one without data goes to an
+    instrument that has no panel here (:data:`SUBSTITUTES`: the per-rank view of several
+    processes, and the "transformer" preset's UpdateRatio, ActivationHealth's dead fractions
+    and RMS, GradientNoiseScale, PreconditionedSharpness, LossOutliers), in order, where the
+    run recorded it; otherwise no panel is drawn there, and a note in the first such place of
+    each column names the instruments left out and the quantities that draw them. So a
+    preset's own dashboard shows each of its instruments and no empty panel. Histograms show
+    the latest step that has one.
     """
     run = as_run(source)
     if path is not None and Path(path).suffix.lower() not in FORMATS:
@@ -109,7 +143,7 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
         height_ratios=[3, 1],
         wspace=0.1,
         hspace=0.12,
-        left=0.03,
+        left=0.05,
         right=0.97,
         top=0.93,
         bottom=0.04,
@@ -124,11 +158,17 @@ def plot(source, path: str | os.PathLike | None = None, title: str | None = None
             height_ratios=[0.02, 1, 1, 1, 0.06],
             hspace=0.55,
         )
+        left_out = []
         for row, panel in enumerate(panels):
             empty = not any(_recorded(run, name) for name in PANEL_QUANTITIES[panel])
             if empty and substitutes:
-                panel = substitutes.pop(0)
-            panel(fig, inner[row + 1, 1], run)
+                panel, empty = substitutes.pop(0), False
+            if empty:
+                left_out.append((row, panel))
+            else:
+                panel(fig, inner[row + 1, 1], run)
+        if left_out:
+            _not_recorded_note(fig, inner[left_out[0][0] + 1, 1], [p for _, p in left_out])
     hyperparameter_panel(fig, outer[1, 0], run)
     performance_panel(fig, outer[1, 1:], run)
     fig.suptitle(title or default_title(run), fontsize="xx-large", fontweight="bold")

@@ -30,6 +30,7 @@ from avionics.dashboard.style import (
     empty_panel,
     group_frame,
     save,
+    short_labels,
     style_panel,
 )
 from avionics.diagnosis.layers import RATIO_RANGE
@@ -64,7 +65,7 @@ def fraction_panel(fig, spec, run, key: str, title: str) -> Axes:
     ax = fig.add_subplot(spec)
     grid = activation_layers(run, key)
     if not grid.labels:
-        return empty_panel(ax, title, STEP, "module", f"{HEALTH}()")
+        return _no_fractions(ax, run, key, title)
     mesh = ax.pcolormesh(
         step_edges(grid.steps),
         np.arange(len(grid.labels) + 1),
@@ -74,11 +75,28 @@ def fraction_panel(fig, spec, run, key: str, title: str) -> Axes:
     )
     ax.set_ylim(len(grid.labels), 0)
     rows = label_rows(len(grid.labels))
-    ax.set_yticks([r + 0.5 for r in rows], [grid.labels[r] for r in rows], fontsize="small")
+    labels = short_labels(grid.labels)
+    ax.set_yticks([r + 0.5 for r in rows], [labels[r] for r in rows], fontsize="small")
     ax.set_title(f"{title} per module", **TITLE)
     ax.set_xlabel(STEP)
     ax.set_ylabel("module")
     fig.colorbar(mesh, ax=ax, label=f"{key} fraction", pad=0.01)
+    return ax
+
+
+def _no_fractions(ax: Axes, run, key: str, title: str) -> Axes:
+    """A fraction panel without data: ActivationHealth not recorded (what it needs), or
+    recorded on activations that have no such fraction (why: only saturating activations,
+    tanh, sigmoid and the like, have saturated values)."""
+    watched = activation_layers(run, "rms").labels
+    if not watched:
+        return empty_panel(ax, title, STEP, "module", f"{HEALTH}()")
+    empty_panel(ax, title, STEP, "module", HEALTH)
+    kinds = "tanh, sigmoid, hardtanh, ..." if key == "saturated" else "ReLU-like ones"
+    ax.texts[-1].set_text(
+        f"no {key} fraction: none of\nthe {len(watched)} watched activations\nhas one "
+        f"(only {kinds})"
+    )
     return ax
 
 
@@ -90,7 +108,7 @@ def rms_panel(fig, spec, run) -> Axes:
     if not grid.labels:
         return empty_panel(ax, title, STEP, ylabel, f"{HEALTH}()")
     style_panel(ax, title, STEP, ylabel)
-    for label, values in zip(grid.labels, grid.values):
+    for label, values in zip(short_labels(grid.labels), grid.values):
         ax.plot(grid.steps, values, lw=1.4, label=label)
     if (grid.values > 0).any():
         ax.set_yscale("log")
@@ -110,8 +128,8 @@ def update_ratio_panel(fig, spec, run) -> Axes:
         return empty_panel(ax, title, STEP, ylabel, "UpdateRatio()")
     style_panel(ax, title, STEP, ylabel)
     shapes = run.metadata.get("parameters")
-    for i, label in enumerate(layers.labels):
-        shape = shapes.get(label) if isinstance(shapes, dict) else None
+    for i, (name, label) in enumerate(zip(layers.labels, short_labels(layers.labels))):
+        shape = shapes.get(name) if isinstance(shapes, dict) else None
         if shape is None or len(shape) >= 2:
             ax.plot(layers.steps, layers.values[i], lw=1, alpha=0.7, label=label)
     steps, total = series(run, "UpdateRatio")
@@ -144,7 +162,7 @@ def plot_health(source, path: str | os.PathLike | None = None) -> Figure:
         len(PANELS) + 2,
         height_ratios=[0.12, 1, 0.16],
         width_ratios=[0.02] + [1] * len(PANELS) + [0.02],
-        wspace=0.35,
+        wspace=0.75,  # (room for module names of LABEL_WIDTH characters beside a panel)
     )
     for column, panel in enumerate(PANELS):
         panel(fig, cells[1, column + 1], run)

@@ -21,7 +21,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm, Normalize, SymLogNorm
 from matplotlib.ticker import MaxNLocator
 
-from avionics.dashboard.style import STEP, TITLE, empty_panel
+from avionics.dashboard.style import STEP, TITLE, empty_panel, short_labels
 from avionics.records.series import LayerSeries, per_module, per_parameter
 
 MAX_LABELS = 30
@@ -94,7 +94,8 @@ def heatmap_panel(fig, spec, run, name: str, label: str | None = None) -> Axes:
     ax.set_ylim(len(grid.labels), 0)  # the first layer (nearest the input) on top
     rows = label_rows(len(grid.labels))
     size = "small" if len(grid.labels) <= MAX_LABELS else "x-small"
-    ax.set_yticks([r + 0.5 for r in rows], [grid.labels[r] for r in rows], fontsize=size)
+    labels = short_labels(grid.labels)
+    ax.set_yticks([r + 0.5 for r in rows], [labels[r] for r in rows], fontsize=size)
     ax.set_title(title, **TITLE)
     ax.set_xlabel(STEP)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

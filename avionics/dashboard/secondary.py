@@ -39,6 +39,7 @@ from avionics.dashboard.style import (
     group_frame,
     save,
     series_plot,
+    short_labels,
     style_panel,
 )
 from avionics.diagnosis.evidence import batch_size
@@ -217,7 +218,7 @@ def plot_secondary(source, path: str | os.PathLike | None = None) -> Figure:
         not_recorded_panel(fig, next(cells), absent)
     if histograms:
         group_frame(fig, spec["PER PARAMETER"], "PER PARAMETER", ORANGE)
-        names = run.parameter_names
+        names = short_labels(run.parameter_names)
         for i, (cell, value) in enumerate(
             zip(_cells(spec["PER PARAMETER"], hist_rows, hist_columns), histograms)
         ):

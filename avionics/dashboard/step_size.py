@@ -78,7 +78,7 @@ def distance_panel(fig, spec, run) -> Axes:
     shown = ("EMA", "non-finite")  # the points' colours match their EMA lines
     lines = [
         line
-        for line in ax.get_lines() + right.get_lines()
+        for line in dict.fromkeys(ax.get_lines() + right.get_lines())  # (right may be ax)
         if any(word in line.get_label() for word in shown)
     ]
     ax.legend(handles=lines, loc="best", fontsize="small", framealpha=0.7)

@@ -37,6 +37,47 @@ def ema(values: np.ndarray, weight: float = EMA_WEIGHT) -> np.ndarray:
     return smoothed
 
 
+LABEL_WIDTH = 26  # characters of a parameter's or module's name on an axis or in a legend
+
+
+def short_labels(names: list[str], width: int = LABEL_WIDTH) -> list[str]:
+    """Parameter or module names as an axis shows them: where one is longer than ``width``
+    characters, the dotted prefix that all of them share left out (``transformer.`` of a
+    Hugging Face GPT-2's parameters); a name still longer than
+    ``width`` characters has its inner components cut to their first letter, from the left,
+    until it fits (``encoder.layer.0.attention.self.query.weight`` becomes
+    ``e.l.0.a.self.query.weight``; numbers and the last two components stay whole), and
+    what still does not fit loses its middle to an ellipsis. Distinct names stay distinct (a
+    name whose cut would meet another's is shown whole)."""
+    parts = [name.split(".") for name in names]
+    shared = 0
+    too_long = any(len(name) > width for name in names)
+    while too_long and len(names) > 1 and all(len(p) > shared + 1 for p in parts):
+        if len({p[shared] for p in parts}) > 1:
+            break
+        shared += 1
+    shown = [_shortened(p[shared:], width) for p in parts]
+    whole = [".".join(p[shared:]) for p in parts]
+    taken: dict[str, int] = {}
+    for label in shown:
+        taken[label] = taken.get(label, 0) + 1
+    return [s if taken[s] == 1 else w for s, w in zip(shown, whole, strict=True)]
+
+
+def _shortened(components: list[str], width: int) -> str:
+    components = list(components)
+    for k in range(len(components) - 2):
+        if len(".".join(components)) <= width:
+            break
+        if not components[k].isdigit():
+            components[k] = components[k][0]
+    name = ".".join(components)
+    if len(name) <= width:
+        return name
+    start = (width - 1) // 3
+    return f"{name[:start]}…{name[len(name) - (width - 1 - start) :]}"
+
+
 def empty_panel(ax: Axes, title: str, xlabel: str, ylabel: str, needs: str) -> Axes:
     """Draw an instrument without data: its title and axis labels, and what it needs."""
     ax.set_title(title, **TITLE)
@@ -137,26 +178,30 @@ def quantity_panel(
 
 def twin_panel(ax: Axes, run, title: str, left: tuple, right: tuple) -> Axes | None:
     """Two quantities vs step whose scales differ: ``left`` and ``right`` are (quantity, line
-    label, axis label, colour), drawn on ``ax`` and on a twin axis; a quantity without data says
-    so. Returns the twin axis, or None when neither has data (the panel then says what it
-    needs)."""
+    label, axis label, colour), drawn on ``ax`` and on a twin axis. Where only one has data,
+    it is drawn on ``ax`` alone, which says that the other has none, and is returned; None when
+    neither has data (the panel then says what it needs)."""
     (l_name, l_label, l_axis, l_color), (r_name, r_label, r_axis, r_color) = left, right
     l_steps, l_values = series(run, l_name)
     r_steps, r_values = series(run, r_name)
     if not len(l_steps) and not len(r_steps):
         empty_panel(ax, title, STEP, l_axis, f"{l_name} or {r_name}")
         return None
+    if not len(l_steps) or not len(r_steps):
+        shown, steps, values, absent = (
+            (left, l_steps, l_values, r_name)
+            if len(l_steps)
+            else (right, r_steps, r_values, l_name)
+        )
+        style_panel(ax, title, STEP, shown[2])
+        series_plot(ax, steps, values, shown[1], color=shown[3])
+        ax.text(0.02, 0.92, f"no {absent} data", transform=ax.transAxes, color="grey")
+        return ax
     style_panel(ax, title, STEP, l_axis)
-    if len(l_steps):
-        series_plot(ax, l_steps, l_values, l_label, color=l_color)
-    else:
-        ax.text(0.02, 0.9, f"no {l_name} data", transform=ax.transAxes, color="grey")
+    series_plot(ax, l_steps, l_values, l_label, color=l_color)
     twin = ax.twinx()
     twin.set_ylabel(r_axis, color=r_color)
-    if len(r_steps):
-        series_plot(twin, r_steps, r_values, r_label, color=r_color)
-    else:
-        twin.text(0.98, 0.9, f"no {r_name} data", transform=ax.transAxes, ha="right")
+    series_plot(twin, r_steps, r_values, r_label, color=r_color)
     ax.set_xlim(*step_limits(np.concatenate([l_steps, r_steps])))
     return twin
 

@@ -17,7 +17,9 @@ update t (``state.global_step`` before it, counted from 0): the Trainer's log re
 update is stamped ``"step": t + 1``, and :class:`CockpitLogCallback` merges the cockpit's
 values of step t into it.
 
-**Individual losses.** The model's loss is the token cross entropy of ``logits`` against
+**Individual losses.** A model that is not a transformers model brings its own
+(``cockpit_individual_losses``, see :class:`CockpitMixin`). A transformers model's loss is
+the token cross entropy of ``logits`` against
 ``labels`` (shifted by one for causal language models, label -100 ignored). Within one
 optimiser step of S sequences in k micro-batches, the Trainer backpropagates, for each
 micro-batch, b = (sum of its tokens' cross entropies) / Z, with Z = ``num_items_in_batch``
@@ -33,13 +35,26 @@ sequences and the step's gradient is their mean gradient (docs/definitions.md: a
 sequence). With one micro-batch of N sequences and ``num_items_in_batch``, l_n = N * (the
 sequence's summed cross entropy) / (the batch's counted tokens): a sequence's share of the
 token-averaged loss, times N; a padded sequence weighs by its number of predicted tokens.
+A sequence classifier (``loss_function`` ForSequenceClassificationLoss, e.g.
+BertForSequenceClassification) has one label per sequence: T = 1, and its loss is the mean
+cross entropy over the batch, as its forward computes it.
 ``info["loss"]`` is the micro-batch's mean of its l_n and the backpropagated tensor is
 (N / S) * info["loss"] (info["loss"] itself with one micro-batch), whose value is checked
 against the Trainer's own loss before the backward.
+
+**Several processes** (``torchrun`` or ``accelerate launch``, one device per process, any
+backend): accelerate wraps the model in ``DistributedDataParallel`` and gives each process
+the same number of sequences of each step; the cockpit is built on that wrapper at the first
+training step (``trainer.cockpit`` is None until then) and every value is the global batch's,
+equal on every process (see :class:`~avionics.Cockpit`). With ``average_tokens_across_devices``
+(the default) Z counts every process's tokens and S is the step's sequences over all
+processes: each process backpropagates W times its share (W processes; DDP averages), as the
+Trainer does. The log records of rank 0 get the cockpit's values (its sinks run there).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -169,8 +184,15 @@ class CockpitMixin:
             default).
         cockpit_log: the cockpit's run directory (see :class:`~avionics.Cockpit`).
         cockpit_sinks: further sinks of the cockpit's values (e.g. a TensorBoardWriter).
+        cockpit_individual_losses: for a model that is not a transformers model (any
+            ``nn.Module`` the Trainer calls with the batch's other keys, e.g. a ResNet on
+            ``{"x": images, "labels": classes}``), a function ``(outputs, labels)`` -> the
+            per-sample losses, shape [N]: the step's loss is their mean over the step's
+            samples (each micro-batch backpropagates its share), and the model's output must
+            be what they are computed from (the GGN diagonals read it).
 
-    The cockpit is ``self.cockpit``, built on the Trainer's model; a
+    The cockpit is ``self.cockpit``, built on the Trainer's model (under several processes on
+    its DDP wrapper, at the first training step); a
     :class:`CockpitLogCallback` (``self.cockpit_callback``) merges its values into
     ``state.log_history``. Close the cockpit with ``trainer.cockpit.close()`` when done.
     Per-sequence losses are defined in the module docstring; ``info["optimizer"]`` is the
@@ -184,17 +206,28 @@ class CockpitMixin:
         cockpit_quantities=None,
         cockpit_log=None,
         cockpit_sinks=(),
+        cockpit_individual_losses=None,
         **kwargs,
     ):
         super().__init__(*args, **kwargs)
+        if cockpit_individual_losses is not None and not callable(cockpit_individual_losses):
+            raise TypeError(
+                "CockpitTrainer(cockpit_individual_losses=...) takes a function (outputs, "
+                f"labels) -> per-sample losses [N]; got {cockpit_individual_losses!r}."
+            )
+        self.cockpit_individual_losses = cockpit_individual_losses
         _check_supported(self)
         self.cockpit_callback = CockpitLogCallback()
-        self.cockpit = Cockpit(
-            self.model,
-            quantities=cockpit_quantities,
-            log=cockpit_log,
-            sinks=[self.cockpit_callback, *cockpit_sinks],
-        )
+        self._cockpit_options = {
+            "quantities": cockpit_quantities,
+            "log": cockpit_log,
+            "sinks": [self.cockpit_callback, *cockpit_sinks],
+        }
+        # on one process the Trainer's model; on several, the DistributedDataParallel wrapper
+        # the Trainer trains (built by accelerate inside train()), at the first step
+        self.cockpit: Cockpit | None = None
+        if self.args.world_size == 1:
+            self.cockpit = Cockpit(self.model, **self._cockpit_options)
         # first among the callbacks: it adds the cockpit's values to the logs that the
         # reporting callbacks (report_to) receive after it
         self.callback_handler.callbacks.insert(0, self.cockpit_callback)
@@ -220,7 +253,8 @@ class CockpitMixin:
         batch_samples, num_items_in_batch = super().get_batch_samples(
             epoch_iterator, num_batches, device
         )
-        self._step_sequences = sum(len(batch["labels"]) for batch in batch_samples)
+        # (a batch without labels is refused by training_step)
+        self._step_sequences = sum(len(b["labels"]) for b in batch_samples if "labels" in b)
         self._micro_batch = 0
         return batch_samples, num_items_in_batch
 
@@ -230,6 +264,8 @@ class CockpitMixin:
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
         inputs = self._prepare_inputs(inputs)
+        if self.cockpit is None:  # several processes: on the wrapper that syncs the gradients
+            self.cockpit = Cockpit(model, **self._cockpit_options)
         step, cockpit = self.state.global_step, self.cockpit
         micro_batch, micro_batches = self._micro_batch, self.current_gradient_accumulation_steps
         labels = inputs.get("labels")
@@ -238,7 +274,9 @@ class CockpitMixin:
                 f"CockpitTrainer: the batch has no 'labels' (its keys: {sorted(inputs)}); the "
                 "per-sequence losses are the cross entropy of the logits against "
                 "inputs['labels']. Give the data collator labels (e.g. "
-                "DataCollatorForLanguageModeling(tokenizer, mlm=False))."
+                "DataCollatorForLanguageModeling(tokenizer, mlm=False)); for a model whose "
+                "forward takes no labels argument, TrainingArguments(remove_unused_columns="
+                "False) keeps them."
             )
         # the model's forward without the labels: its output is then the logits alone (the
         # GGN diagonals need one output tensor), and the loss is computed here as the model
@@ -247,12 +285,16 @@ class CockpitMixin:
         tracked = any(q.is_active(step) for q in cockpit.quantities)
         with self.compute_loss_context_manager():
             outputs = model(**model_inputs)
-            with torch.set_grad_enabled(not tracked):
-                loss = self._trainers_loss(model, outputs, labels, num_items_in_batch)
-        if tracked:
+            if self.cockpit_individual_losses is not None:
+                info, loss = self._own_losses_info(outputs, labels)
+                backpropagated = loss
+            else:
+                with torch.set_grad_enabled(not tracked):
+                    loss = self._trainers_loss(model, outputs, labels, num_items_in_batch)
+        if self.cockpit_individual_losses is None and tracked:
             info, backpropagated = self.cockpit_info(loss, outputs, labels, num_items_in_batch)
-        else:  # nothing reads this step: the Trainer's own backward
-            info, backpropagated = {"loss": loss}, loss
+        elif self.cockpit_individual_losses is None:  # nothing reads this step
+            info, backpropagated = {"loss": loss}, loss  # the Trainer's own backward
         protocol = {}
         if micro_batches > 1:
             protocol = {"micro_batch": micro_batch, "micro_batches": micro_batches}
@@ -267,18 +309,38 @@ class CockpitMixin:
         where the model takes it), divided by the micro-batches where it is not normalised
         over them."""
         unwrapped = self.accelerator.unwrap_model(model)
-        kwargs = {}
-        if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
-            kwargs["num_items_in_batch"] = num_items_in_batch
-        loss = unwrapped.loss_function(
-            logits=outputs["logits"],
-            labels=labels,
-            vocab_size=unwrapped.config.vocab_size,
-            **kwargs,
-        )
+        loss_function = unwrapped.loss_function
+        if _classifies_sequences(unwrapped):
+            # the mean over the batch, as a classifier's forward computes it
+            loss = loss_function(
+                labels=labels, pooled_logits=outputs["logits"], config=unwrapped.config
+            )
+        else:
+            kwargs = {}
+            if self.model_accepts_loss_kwargs and num_items_in_batch is not None:
+                kwargs["num_items_in_batch"] = num_items_in_batch
+            loss = loss_function(
+                logits=outputs["logits"],
+                labels=labels,
+                vocab_size=unwrapped.config.vocab_size,
+                **kwargs,
+            )
+        if self._tokens_counted_over_processes(num_items_in_batch):
+            loss = loss * self.accelerator.num_processes  # as Trainer.compute_loss scales it
         if not self._loss_scaled_for_accumulation(num_items_in_batch):
             loss = loss / self.current_gradient_accumulation_steps
         return loss
+
+    def _tokens_counted_over_processes(self, num_items_in_batch) -> bool:
+        """Whether ``num_items_in_batch`` counts the labels of every process's micro-batches
+        (``average_tokens_across_devices``, as ``Trainer.compute_loss`` decides), so that each
+        process's loss is multiplied by the number of processes (DDP averages it back)."""
+        return (
+            self.accelerator.num_processes > 1
+            and self.args.average_tokens_across_devices
+            and self.model_accepts_loss_kwargs
+            and num_items_in_batch is not None
+        )
 
     def _loss_scaled_for_accumulation(self, num_items_in_batch) -> bool:
         """Whether the Trainer's loss is already normalised over the step's micro-batches (as
@@ -287,23 +349,55 @@ class CockpitMixin:
             return self.loss_is_scaled_for_ga
         return self.model_accepts_loss_kwargs and num_items_in_batch is not None
 
+    def _own_losses_info(self, outputs, labels: Tensor) -> tuple[dict, Tensor]:
+        """The cockpit's info of a micro-batch from ``cockpit_individual_losses(outputs,
+        labels)``, and the tensor to backpropagate: their mean times this micro-batch's share
+        of the step's samples (on each process: DDP averages the processes')."""
+        losses = self.cockpit_individual_losses(outputs, labels)
+        if not (isinstance(losses, Tensor) and losses.dim() == 1 and len(losses) == len(labels)):
+            raise ValueError(
+                "CockpitTrainer(cockpit_individual_losses=...) must return the per-sample "
+                f"losses, a tensor of shape [{len(labels)}] (one per sample of the batch); got "
+                f"{tuple(losses.shape) if isinstance(losses, Tensor) else type(losses).__name__}."
+            )
+        n, k = len(losses), self.current_gradient_accumulation_steps
+        own = self._step_sequences if k > 1 else n
+        mean = losses.mean()
+        info = {
+            "loss": mean,
+            "individual_losses": losses,
+            "batch_size": n,
+            "optimizer": getattr(self.optimizer, "optimizer", self.optimizer),
+        }
+        return info, mean if own == n else mean * (n / own)
+
     def cockpit_info(self, loss: Tensor, outputs, labels: Tensor, num_items_in_batch):
         """The cockpit's info of a micro-batch and the tensor to backpropagate, whose value
         is the Trainer's ``loss`` (checked). Override for a loss other than the token cross
         entropy of the module docstring."""
-        shift = _shifts_labels(self.accelerator.unwrap_model(self.model))
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        shift = _shifts_labels(unwrapped)
         sums = token_cross_entropy_sums(outputs["logits"], labels, shift)
         n, k = len(sums), self.current_gradient_accumulation_steps
-        if self._loss_scaled_for_accumulation(num_items_in_batch):
+        own = self._step_sequences if k > 1 else n  # this process's sequences of the step
+        scaled = self._loss_scaled_for_accumulation(num_items_in_batch)
+        # The Trainer backpropagates (sum of the micro-batch's cross entropies) / Z, times
+        # the processes W where it counted every process's tokens, divided by k where not
+        # scaled for the accumulation; l_n = own * that factor * sum_n, so that the mean of
+        # the l_n over this process's sequences of the step is what it backpropagates.
+        # Z: the model's own (num_items_in_batch where its loss takes it; a sequence
+        # classifier's is the mean over the micro-batch whatever it is given).
+        if scaled and not _classifies_sequences(unwrapped):
             normaliser = num_items_in_batch
         else:
-            normaliser = k * predicted_tokens(labels, shift)
-        sequences = self._step_sequences if k > 1 else n
+            normaliser = predicted_tokens(labels, shift)
+        over_processes = self._tokens_counted_over_processes(num_items_in_batch)
+        factor = (self.accelerator.num_processes if over_processes else 1) / (1 if scaled else k)
         # (a count's tensor would make the ratio an integer tensor's true division: float32)
         normaliser = torch.as_tensor(normaliser, dtype=sums.dtype, device=sums.device)
-        individual_losses = sums * (sequences / normaliser)
+        individual_losses = sums * (own * factor / normaliser)
         mean = individual_losses.mean()
-        backpropagated = mean if sequences == n else mean * (n / sequences)
+        backpropagated = mean if own == n else mean * (n / own)
         _check_same_loss(backpropagated.detach(), loss.detach())
         info = {
             "loss": mean,
@@ -316,6 +410,16 @@ class CockpitMixin:
 
 class CockpitTrainer(CockpitMixin, Trainer):
     """``transformers.Trainer`` watched by a cockpit: see :class:`CockpitMixin`."""
+
+
+def _classifies_sequences(model) -> bool:
+    """Whether the model's loss is a sequence classifier's (ForSequenceClassificationLoss:
+    one label per sequence, the mean over the batch)."""
+    loss_function = getattr(model, "loss_function", None)
+    return (
+        loss_function is not None
+        and "pooled_logits" in inspect.signature(loss_function).parameters
+    )
 
 
 def _shifts_labels(model) -> bool:
@@ -335,10 +439,13 @@ def _check_supported(trainer) -> None:
             "from the model's logits with the model's loss_function. Override "
             "CockpitMixin.cockpit_info (the per-sequence losses) instead."
         )
-    if not isinstance(getattr(trainer.model, "config", None), PretrainedConfig):
+    transformers_model = isinstance(getattr(trainer.model, "config", None), PretrainedConfig)
+    if not transformers_model and trainer.cockpit_individual_losses is None:
         raise TypeError(
-            f"CockpitTrainer needs a transformers model (a PreTrainedModel with a config and a "
-            f"loss_function); got {type(trainer.model).__name__}."
+            f"CockpitTrainer computes the loss of a transformers model (a PreTrainedModel with "
+            f"a config and a loss_function); {type(trainer.model).__name__} is none. Give "
+            "cockpit_individual_losses=fn, fn(outputs, labels) -> the per-sample losses [N] "
+            "(e.g. F.cross_entropy(outputs, labels, reduction='none')), whose mean is the loss."
         )
     if trainer.compute_loss_func is not None or trainer.label_smoother is not None:
         what = "compute_loss_func" if trainer.compute_loss_func is not None else "label_smoother"
@@ -348,12 +455,12 @@ def _check_supported(trainer) -> None:
             "the model's token cross entropy. Remove it, or subclass CockpitMixin and "
             "override cockpit_info to return per-sequence losses of your loss."
         )
-    if trainer.args.n_gpu > 1 or trainer.args.world_size > 1:
+    if trainer.args.n_gpu > 1:
         raise ValueError(
-            f"CockpitTrainer runs on one process and one device; this Trainer has n_gpu="
-            f"{trainer.args.n_gpu}, world_size={trainer.args.world_size}. Train on one device "
-            "(e.g. CUDA_VISIBLE_DEVICES=0, without torchrun), or use avionics.Cockpit in your "
-            "own loop under DistributedDataParallel."
+            f"CockpitTrainer runs one device per process; this Trainer has n_gpu="
+            f"{trainer.args.n_gpu} (torch.nn.DataParallel, which splits each batch inside the "
+            "forward). Launch one process per device with torchrun or accelerate launch (DDP), "
+            "or train on one device (CUDA_VISIBLE_DEVICES=0)."
         )
 
 

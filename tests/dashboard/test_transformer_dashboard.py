@@ -38,21 +38,31 @@ def empty_and_titles(fig):
     return empty, [ax.get_title() for ax in fig.axes]
 
 
-def test_the_transformer_preset_fills_the_panels_it_has_data_for():
-    empty, titles = empty_and_titles(plot(run("transformer")))
-    assert empty == ["no data\n(needs HessTrace)", "no data\n(needs TICDiag or TICTrace)"]
+def test_the_transformer_preset_fills_every_panel():
+    """Its nine places hold its instruments: UpdateSize in the distance panel, GradNorm,
+    GradHist1d, and the six without a primary panel; none empty, nothing left out."""
+    fig = plot(run("transformer"))
+    empty, titles = empty_and_titles(fig)
+    assert empty == []
     for title in (
         "Update-to-weight ratio",
         "Activation RMS",
         "GradientNoiseScale",
         "PreconditionedSharpness",
         "Gradient norm",
+        "Distance and update size",
+        "Loss outliers",
     ):
         assert title in titles, titles
     assert any(t.startswith("Dead units") for t in titles), titles
+    assert not [t for t in fig.texts if t.get_text().startswith("Not recorded")]
 
 
-def test_an_economy_run_keeps_its_panels():
-    empty, titles = empty_and_titles(plot(run("economy", torch.optim.SGD)))
-    assert "Update-to-weight ratio" not in titles
-    assert "no data\n(needs HessMaxEV)" in empty
+def test_an_economy_run_keeps_its_panels_and_names_those_it_lacks():
+    fig = plot(run("economy", torch.optim.SGD))
+    empty, titles = empty_and_titles(fig)
+    assert "Update-to-weight ratio" not in titles and "Loss outliers" not in titles
+    assert empty == [] and "Largest Hessian eigenvalue" not in titles
+    (gradients, curvature) = [t.get_text() for t in fig.texts if "Not recorded" in t.get_text()]
+    assert "Largest Hessian eigenvalue: HessMaxEV" in curvature
+    assert "Gradient/parameter histogram: GradHist2d" in gradients

@@ -67,7 +67,11 @@ class RecordingTrainer(CockpitTrainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
 
-def trainer_for(tmp_path, model, quantities, steps=3, batch=4, accumulation=1, **args):
+def trainer_for(
+    tmp_path, model, quantities, steps=3, batch=4, accumulation=1, samples=None, **args
+):
+    """A RecordingTrainer of ``steps`` updates on ``samples`` sequences (by default those of
+    ``steps`` updates of ``accumulation`` micro-batches of ``batch``)."""
     arguments = transformers.TrainingArguments(
         output_dir=str(tmp_path / "hf"),
         max_steps=steps,
@@ -85,7 +89,7 @@ def trainer_for(tmp_path, model, quantities, steps=3, batch=4, accumulation=1, *
     trainer = RecordingTrainer(
         model=model,
         args=arguments,
-        train_dataset=Sequences(steps * batch * accumulation),
+        train_dataset=Sequences(samples or steps * batch * accumulation),
         optimizers=(optimizer, None),
         cockpit_quantities=quantities,
     )
