@@ -118,3 +118,15 @@ def test_more_bins_than_wandb_takes_merge_exactly():
     assert merged.tolist() == np.histogram(samples, merged_edges)[0].tolist()
     kept, kept_edges = at_most_bins(counts[:512], edges[:513], 512)
     assert len(kept) == 512 and kept_edges[-1] == edges[512]
+
+
+def test_non_finite_values_reach_the_run_as_they_are(offline):
+    with bounded(TIME_S):
+        sink = WandbSink(project="avionics", name="diverging")
+        sink.update_metadata({"parameters": {"w": [2], "b": [2]}})
+        sink.write(0, {"Loss": 1.0, "GradNorm": [1.0, 2.0]})
+        sink.write(1, {"Loss": float("nan"), "GradNorm": [float("inf"), 2.0]})
+        sink.close()
+    history = wandb_history(offline())
+    assert history[0]["GradNorm/b"] == 2.0 and history[1]["GradNorm/b"] == 2.0
+    assert np.isnan(history[1]["Loss"]) and history[1]["GradNorm/w"] == float("inf")
