@@ -20,18 +20,23 @@ value of step t arriving after step t + 1 lands at t):
 
 The run's metadata: its numbers and strings as parameters (``model``, ``avionics``,
 ``optimizer.name``, ``optimizer.param_groups.0.lr``, ...; MLflow's parameters cannot change,
-so each is logged once) and the whole of it as the artifact ``avionics/metadata.json``.
+so each is logged once; a value past MLflow's 6000 characters is cut there) and the whole of
+it as the artifact ``avionics/metadata.json``. A name MLflow would refuse (a metric logged as
+``cockpit.log(step, **{"val acc (%)": x})``) has each character MLflow does not take replaced
+by "_" (:func:`mlflow_key`), so that no name stops the training loop.
 Needs the ``mlflow`` package (the ``mlflow`` extra installs ``mlflow-skinny``). MLflow 3
 refuses a file store (``file:...``) unless ``MLFLOW_ALLOW_FILE_STORE=true``.
 """
 
 from __future__ import annotations
 
+import re
 import time
 
 from avionics.records.tracking import Tracking, flat_parameters, histogram_summary
 
 MAX_BATCH = 1000  # metrics per MlflowClient.log_batch call
+MAX_KEY, MAX_VALUE = 250, 6000  # characters of a metric or parameter name, a parameter value
 PER_PARAMETER = "_per_parameter"
 # (too long, or in the JSON artifact only)
 NOT_PARAMETERS = ("summary", "outputs", "quantities", "parameters")
@@ -45,6 +50,14 @@ def _mlflow():
             "The MLflow sink needs mlflow: pip install -c constraints.txt 'avionics[mlflow]'"
         ) from error
     return mlflow
+
+
+def mlflow_key(name: str) -> str:
+    """``name`` as MLflow takes it: characters other than letters, digits, "_", "-", ".",
+    " " and "/" replaced by "_" (the colon too: Windows refuses it), as are empty, "." and
+    ".." parts between slashes (names are files in a file store), cut at 250 characters."""
+    parts = re.sub(r"[^/\w.\- ]", "_", name).split("/")
+    return "/".join("_" if part in ("", ".", "..") else part for part in parts)[:MAX_KEY]
 
 
 class MlflowSink:
@@ -98,7 +111,7 @@ class MlflowSink:
             if key not in self._logged_parameters
         }
         self._logged_parameters.update(new)
-        params = [self._param(key, value) for key, value in new.items()]
+        params = [self._param(mlflow_key(k), v[:MAX_VALUE]) for k, v in new.items()]
         for start in range(0, len(params), 100):  # (log_batch takes 100 parameters at most)
             self.client.log_batch(self.run_id, params=params[start : start + 100])
         self.client.log_dict(self.run_id, self._metadata, "avionics/metadata.json")
@@ -114,13 +127,13 @@ class MlflowSink:
             summary = histogram_summary(counts, edges)
             numbers.update({f"{tag}/{statistic}": v for statistic, v in summary.items()})
         now = int(time.time() * 1000)
-        metrics = [self._metric(key, value, now, step) for key, value in numbers.items()]
+        metrics = [self._metric(mlflow_key(k), v, now, step) for k, v in numbers.items()]
         for start in range(0, len(metrics), MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_BATCH])
         for name, value in values.items():
             if self._tracking.counted_histogram(name, value):
                 counts = {"step": step, "hist": value["hist"], "edges": value["edges"]}
-                path = f"histograms/{name}/step_{step:08d}.json"
+                path = f"histograms/{mlflow_key(name)}/step_{step:08d}.json"
                 self.client.log_dict(self.run_id, counts, path)
 
     def close(self) -> None:

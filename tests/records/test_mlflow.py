@@ -14,6 +14,7 @@ mlflow = pytest.importorskip(
 )
 
 from avionics.records import MlflowSink  # noqa: E402
+from avionics.records.mlflow_sink import mlflow_key  # noqa: E402
 from avionics.records.tracking import QUANTILES, histogram_summary  # noqa: E402
 
 TIME_S = 120
@@ -115,3 +116,17 @@ def test_histogram_quantiles_are_exact_for_values_spread_evenly_over_their_bins(
     for q in QUANTILES:
         assert summary[f"p{round(q * 100):02d}"] == pytest.approx(np.quantile(values, q), abs=0.02)
     assert summary["p25"] == pytest.approx(2 + 2 * (200 - 100) / 300)
+
+
+def test_names_mlflow_refuses_are_made_names_it_takes(store):
+    assert mlflow_key("val acc (%)") == "val acc ___"
+    assert mlflow_key("a//b/../c:d") == "a/_/b/_/c_d"
+    assert len(mlflow_key("x" * 300)) == 250
+    with bounded(TIME_S):
+        sink = MlflowSink(tracking_uri=store)
+        sink.update_metadata({"note": "n" * 7000, "model": "MLP"})
+        sink.write(3, {"val acc (%)": 0.75, "Loss": 0.5})
+        sink.close()
+    client = mlflow.MlflowClient(tracking_uri=store)
+    assert history(client, sink.run_id, "val acc ___") == {3: 0.75}
+    assert client.get_run(sink.run_id).data.params["note"] == "n" * 6000
