@@ -15,6 +15,7 @@ from test_cli import in_process
 from avionics.dashboard.compare import (
     PANELS,
     plot_compare,
+    run_colors,
     run_labels,
     symlog_ticks,
     value_scale,
@@ -78,6 +79,11 @@ def test_each_run_is_a_colour_with_its_name_and_each_panel_overlays_them(sweep):
     assert titles.index("Mini-batch loss") < titles.index("Gradient norm")
     assert titles.index("Gradient norm") < titles.index("Hessian trace")
     assert "Validation accuracy" in titles and "epoch" not in titles
+    # a metric logged every 10 steps: its points joined, not an EMA that lags behind them
+    for run, line in zip(runs, found["Validation accuracy"].get_lines()):
+        steps, values = series(run, "valid_accuracy")
+        assert line.get_marker() == "o" and len(steps) < 20
+        np.testing.assert_array_equal(line.get_ydata(), values)
     # wall-clock times start at each run's first step
     since_first = found["Time since the first step"].get_lines()
     assert len(since_first) == 3 and all(line.get_ydata()[0] == 0 for line in since_first)
@@ -131,6 +137,11 @@ def test_a_diverging_run_puts_the_panel_on_a_log_scale_with_readable_labels(tmp_
             ]
             for i, first in enumerate(shown):
                 assert not any(first.overlaps(other) for other in shown[i + 1 :])
+
+
+def test_every_run_has_its_own_colour():
+    for count in (2, 10, 11, 20, 25):
+        assert len(set(run_colors(count))) == count
 
 
 def test_the_scale_is_linear_unless_values_span_three_decades():

@@ -11,10 +11,11 @@ a run recorded and that overlays on one step axis is a panel, in the dashboard's
 * then every other scalar any run recorded (an instrument of your own, a metric you logged).
 
 A panel, its group named at its top left, draws each run's values as faint points and their
-EMA (:func:`~avionics.dashboard.style.ema`) as a line, on a log axis where all values are
-positive and span more than three decades, and names the runs that did not record it. The
-distributions (the alpha histogram, the gradient histograms) do not overlay and are left to
-each run's dashboard. Panels no run recorded are not drawn.
+EMA (:func:`~avionics.dashboard.style.ema`) as a line (a series of few points, as its points
+joined), on a log axis where all values are positive and span more than three decades, and
+names the runs that did not record it. The distributions (the alpha histogram, the gradient
+histograms) do not overlay and are left to each run's dashboard. Panels no run recorded are
+not drawn.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ PANELS = (
 SINCE_FIRST = ("Time",)
 NOT_DRAWN = ("epoch",)  # bookkeeping that cockpit.log records beside the metrics
 COLUMNS = 3
+SMOOTHED_FROM = 20  # points of a series drawn with its EMA
 PANEL_SIZE = (6.4, 3.9)  # inches
 
 
@@ -96,6 +98,15 @@ def run_labels(runs) -> list[str]:
         common = Path(os.path.commonpath([p.absolute() for p in paths]))
         labels = [str(p.absolute().relative_to(common)) or p.name for p in paths]
     return labels
+
+
+def run_colors(count: int) -> list:
+    """``count`` colours told apart: tab10's, tab20's for up to 20 runs, else evenly spaced
+    along viridis."""
+    if count <= 20:
+        name = "tab10" if count <= 10 else "tab20"
+        return [colormaps[name](i) for i in range(count)]
+    return [colormaps["viridis"](i / (count - 1)) for i in range(count)]
 
 
 def compare_panels(runs) -> list[tuple[str, str, str, str]]:
@@ -135,12 +146,17 @@ def _check_common(runs, labels) -> None:
 
 
 def _draw(ax, drawn: list) -> None:
-    """Each (steps, values, colour) of ``drawn`` as faint points and an EMA line, on the
-    scale :func:`value_scale` chooses; non-finite values as ticks on the step axis."""
+    """Each (steps, values, colour) of ``drawn`` as faint points and an EMA line (a series
+    of fewer than :data:`SMOOTHED_FROM` points, a metric logged now and then, as its points
+    joined: an EMA of few points lags far behind them), on the scale :func:`value_scale`
+    chooses; non-finite values as ticks on the step axis."""
     for steps, values, color in drawn:
         finite = np.isfinite(values)
-        ax.scatter(steps[finite], values[finite], s=6, color=color, alpha=0.3, lw=0)
-        ax.plot(steps, ema(values), color=color, lw=1.8)
+        if len(steps) < SMOOTHED_FROM:
+            ax.plot(steps[finite], values[finite], "o-", color=color, ms=3.5, lw=1.5)
+        else:
+            ax.scatter(steps[finite], values[finite], s=6, color=color, alpha=0.3, lw=0)
+            ax.plot(steps, ema(values), color=color, lw=1.8)
         if (~finite).any():
             ticks = np.zeros((~finite).sum())
             transform = ax.get_xaxis_transform()
@@ -207,7 +223,7 @@ def plot_compare(
             "run its own label."
         )
     _check_common(runs, labels)
-    colors = [colormaps["tab10"](i % 10) for i in range(len(runs))]
+    colors = run_colors(len(runs))
     panels = compare_panels(runs)
     rows = math.ceil(len(panels) / COLUMNS)
     fig = Figure(
