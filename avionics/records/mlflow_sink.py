@@ -66,7 +66,10 @@ class MlflowSink:
     Args:
         run_id: a run of yours, which this sink writes to and leaves open; None: the sink
             creates a run named ``run_name`` in ``experiment`` (created where it does not
-            exist) and ends it on :meth:`close`.
+            exist) when the cockpit first hands it the run's metadata, and ends it on
+            :meth:`close`. Under data parallelism the cockpit hands its sinks the values on
+            rank 0 only, so that only rank 0 creates a run, though every process builds the
+            sink.
         tracking_uri: where the runs are (None: MLflow's default, ``MLFLOW_TRACKING_URI``).
         experiment: the experiment's name, for a run the sink creates.
         run_name: the run's name, for a run the sink creates.
@@ -88,13 +91,7 @@ class MlflowSink:
         self._metric = mlflow.entities.Metric
         self._param = mlflow.entities.Param
         self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
-        self._owned = run_id is None
-        if run_id is None:
-            found = self.client.get_experiment_by_name(experiment)
-            experiment_id = (
-                found.experiment_id if found else self.client.create_experiment(experiment)
-            )
-            run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        self._owned, self._experiment, self._run_name = run_id is None, experiment, run_name
         self.run_id = run_id
         self._tracking = Tracking()
         self._metadata: dict = {}
@@ -111,10 +108,11 @@ class MlflowSink:
             if key not in self._logged_parameters
         }
         self._logged_parameters.update(new)
+        run_id = self._started()
         params = [self._param(mlflow_key(k), v[:MAX_VALUE]) for k, v in new.items()]
         for start in range(0, len(params), 100):  # (log_batch takes 100 parameters at most)
-            self.client.log_batch(self.run_id, params=params[start : start + 100])
-        self.client.log_dict(self.run_id, self._metadata, "avionics/metadata.json")
+            self.client.log_batch(run_id, params=params[start : start + 100])
+        self.client.log_dict(run_id, self._metadata, "avionics/metadata.json")
 
     def write(self, step: int, values: dict) -> None:
         """Log the scalars, per-parameter numbers and histogram summaries among ``values`` at
@@ -126,17 +124,28 @@ class MlflowSink:
         for tag, (counts, edges) in tracked.histograms.items():
             summary = histogram_summary(counts, edges)
             numbers.update({f"{tag}/{statistic}": v for statistic, v in summary.items()})
-        now = int(time.time() * 1000)
+        run_id, now = self._started(), int(time.time() * 1000)
         metrics = [self._metric(mlflow_key(k), v, now, step) for k, v in numbers.items()]
         for start in range(0, len(metrics), MAX_BATCH):
-            self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_BATCH])
+            self.client.log_batch(run_id, metrics=metrics[start : start + MAX_BATCH])
         for name, value in values.items():
             if self._tracking.counted_histogram(name, value):
                 counts = {"step": step, "hist": value["hist"], "edges": value["edges"]}
                 path = f"histograms/{mlflow_key(name)}/step_{step:08d}.json"
-                self.client.log_dict(self.run_id, counts, path)
+                self.client.log_dict(run_id, counts, path)
 
     def close(self) -> None:
         """End the run if the sink created it."""
-        if self._owned:
+        if self._owned and self.run_id is not None:
             self.client.set_terminated(self.run_id)
+
+    def _started(self) -> str:
+        """The run's id, the run created first if it is the sink's own and has not been."""
+        if self.run_id is None:
+            found = self.client.get_experiment_by_name(self._experiment)
+            experiment_id = (
+                found.experiment_id if found else self.client.create_experiment(self._experiment)
+            )
+            created = self.client.create_run(experiment_id, run_name=self._run_name)
+            self.run_id = created.info.run_id
+        return self.run_id

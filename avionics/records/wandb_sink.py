@@ -42,8 +42,10 @@ class WandbSink:
 
     Args:
         run: a run of yours (``wandb.init(...)``), which this sink writes to and leaves open;
-            None: the sink starts one with ``wandb.init(**init)`` and finishes it on
-            :meth:`close`.
+            None: the sink starts one with ``wandb.init(**init)`` when the cockpit first hands
+            it the run's metadata, and finishes it on :meth:`close`. Under data parallelism
+            the cockpit hands its sinks the values on rank 0 only, so that only rank 0
+            starts a run, though every process builds the sink.
         **init: arguments of ``wandb.init`` (``project``, ``name``, ``dir``, ``mode``,
             ...), without ``run``.
 
@@ -60,11 +62,10 @@ class WandbSink:
                 f"WandbSink(run=..., {', '.join(init)}=...): the arguments of wandb.init are "
                 "for a run the sink starts itself; give either your run or them."
             )
-        self._histogram = wandb.Histogram
-        self._owned = run is None
-        self.run = wandb.init(**init) if run is None else run
-        self.run.define_metric(STEP)
-        self._charted: set[str] = {STEP}
+        self._init, self._histogram = wandb.init, wandb.Histogram
+        self._owned, self._arguments = run is None, init
+        self.run = run
+        self._charted: set[str] = set()
         self._tracking = Tracking()
         self._metadata: dict = {}
 
@@ -73,7 +74,7 @@ class WandbSink:
         ``"avionics"``."""
         self._tracking.update_metadata(metadata)
         self._metadata.update(metadata)
-        self.run.config.update({"avionics": self._metadata}, allow_val_change=True)
+        self._started().config.update({"avionics": self._metadata}, allow_val_change=True)
 
     def write(self, step: int, values: dict) -> None:
         """Log the scalars, per-parameter numbers and histograms among ``values`` as one row
@@ -86,15 +87,26 @@ class WandbSink:
             row[tag] = self._histogram(np_histogram=at_most_bins(counts, edges, MAX_BINS))
         if not row:
             return
+        run = self._started()
         for key in row.keys() - self._charted:
-            self.run.define_metric(key, step_metric=STEP)
+            run.define_metric(key, step_metric=STEP)
             self._charted.add(key)
-        self.run.log({STEP: step, **row})
+        run.log({STEP: step, **row})
 
     def close(self) -> None:
         """Finish the run if the sink started it."""
-        if self._owned:
+        if self._owned and self.run is not None:
             self.run.finish()
+
+    def _started(self):
+        """The run, started (``wandb.init``) if it is the sink's own and has not been, with
+        the step metric defined."""
+        if self.run is None:
+            self.run = self._init(**self._arguments)
+        if STEP not in self._charted:
+            self.run.define_metric(STEP)
+            self._charted.add(STEP)
+        return self.run
 
 
 def at_most_bins(counts: np.ndarray, edges: np.ndarray, most: int):
