@@ -1,4 +1,4 @@
-"""The ``avionics`` command line: demo, plot, diagnose, export."""
+"""The ``avionics`` command line: demo, plot, compare, diagnose, export."""
 
 from __future__ import annotations
 
@@ -152,6 +152,21 @@ def _plot(args) -> int:
     return 0
 
 
+def _compare(args) -> int:
+    from avionics.dashboard.compare import plot_compare
+
+    runs = [_read(run) for run in args.runs]
+    folders = [_run_dir(run).absolute() for run in args.runs]
+    output = (
+        Path(args.output) if args.output else Path(os.path.commonpath(folders)) / "compare.png"
+    )
+    _check_image(output, "the comparison", "-o/--output")
+    labels = args.labels.split(",") if args.labels else None
+    plot_compare(runs, output, title=args.title, labels=labels)
+    print(f"comparison of {len(runs)} runs written to {output}")
+    return 0
+
+
 def _diagnose(args) -> int:
     from avionics.diagnosis import diagnose, report
 
@@ -197,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="avionics",
-        description="A cockpit for PyTorch training: draw, diagnose and export run logs "
+        description="A cockpit for PyTorch training: draw, compare, diagnose and export run logs "
         "written by Cockpit(..., log=DIR), or run the demo.",
     )
     parser.add_argument("--version", action="version", version=f"avionics {__version__}")
@@ -233,6 +248,25 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--secondary", metavar="FILE", help="also draw the secondary screen to FILE")
     plot.add_argument("--title", help="figure title (default: run name, optimizer, steps)")
     plot.set_defaults(handler=_plot)
+
+    compare = commands.add_parser(
+        "compare",
+        help="overlay several runs' instruments in one figure",
+        description="Overlay the runs of a sweep in one figure: each run a colour, each "
+        "instrument the runs recorded a panel (loss, learning rate, alpha, gradient norm, "
+        "noise, curvature, logged metrics).",
+    )
+    compare.add_argument("runs", nargs="+", metavar="RUN", help=run_help + "; two or more")
+    compare.add_argument(
+        "-o",
+        "--output",
+        help="image file: .png, .pdf or .svg (default: compare.png in the runs' common folder)",
+    )
+    compare.add_argument(
+        "--labels", help="the runs' names in the legend, comma-separated (default: their folders)"
+    )
+    compare.add_argument("--title", help="figure title (default: number of runs, steps)")
+    compare.set_defaults(handler=_compare)
 
     diagnose = commands.add_parser(
         "diagnose",
