@@ -54,6 +54,10 @@ def check_state(operator, state) -> list[dict[str, Tensor]]:
     if not isinstance(state, dict):
         raise ValueError(f"{owner} needs the dict that state_dict() returns, got "
                          f"{type(state).__name__}.")  # fmt: skip
+    configuration = state.get("configuration")
+    if isinstance(configuration, dict) and "convention" not in configuration:
+        # saved before the convention was an option: it is avionics'
+        state = {**state, "configuration": {**configuration, "convention": "avionics"}}
     missing = [key for key in (*expected, "factors") if key not in state]
     if missing:
         raise ValueError(f"{owner}: the state has no {missing} (is it from state_dict()?).")

@@ -259,6 +259,16 @@ def test_state_dict_round_trip(name, operator):
         other.load_state_dict(state)
 
 
+def test_a_state_saved_before_the_convention_option_loads_as_avionics():
+    model, loss_fn, data, _ = problem("mlp")
+    K = KFACOperator(model, loss_fn, KFAC_PARAMS["mlp"], data, seed=3)
+    state = K.state_dict()
+    del state["configuration"]["convention"]  # as saved before the option existed
+    loaded = KFACOperator.from_state_dict(state, model, loss_fn, KFAC_PARAMS["mlp"], data)
+    torch.testing.assert_close(dense(loaded), dense(K), rtol=0, atol=0)
+    assert loaded.state_dict()["configuration"]["convention"] == "avionics"
+
+
 def test_bad_states_are_refused_and_change_nothing():
     model, loss_fn, data, _ = problem("mlp")
     K = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
