@@ -23,7 +23,8 @@ cockpit calls in this order:
 Under data parallelism (:mod:`avionics.distributed`) every value is that of the global batch,
 the concatenation of the processes' batches: ``loss``, ``grads``, ``mean_grad`` and
 ``batch_size`` in :class:`StepData` are global; ``individual_losses``, ``statistics``,
-``graph_grads`` and ``captured`` are this process's.
+``graph_grads`` and ``captured`` are this process's; ``parallel`` (:class:`Parallel`) says
+how the batch is split.
 
 Each class declares its ``output`` (:mod:`avionics.quantities.outputs`): how the run log's
 readers, the exports and the dashboard read its value.
@@ -59,6 +60,57 @@ class MicroBatch:
     share: float
 
 
+@dataclass(frozen=True)
+class Parallel:
+    """The processes a step's batch is split over (data parallelism), as its quantities see
+    them: one process (:data:`~avionics.distributed.SINGLE`) without data parallelism.
+
+    Attributes:
+        world: the processes (rank and size).
+        batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
+        local_grads: under data parallelism, this process's gradient of its own loss (before
+            any all-reduce), per tracked parameter; None with one process.
+        sharded: whether each process holds only a shard of each parameter (FSDP): the step's
+            ``params`` and ``grads`` are then this process's shards.
+    """
+
+    world: World = SINGLE
+    batch_sizes: tuple[int, ...] = ()
+    local_grads: list[Tensor] | None = None
+    sharded: bool = False
+
+    def sum(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` added over the processes (one collective; the tensors themselves with
+        one process). Every process must call it, in the same order."""
+        return sum_over_processes(tensors, self.world)
+
+
+@dataclass
+class StepCache:
+    """The work that several quantities of one step read, made by the first that needs it
+    (see the functions that fill it: :func:`mean_gradient_norms` and the others below).
+    Read-only once made.
+
+    Attributes:
+        g_norms: [||g^(1)||, ..., ||g^(K)||] of the mean gradient, in its dtype.
+        g_sq_per_parameter: their squares, float64.
+        g_sq: ||g||^2, their sum.
+        g_sq_is_zero: whether ||g||^2 is zero (on the host: the gradient tests' check).
+        sum_sq: sum_n g_{n,d}^2 flattened over all tracked parameters.
+        params_copy: a copy of theta_t (see :meth:`StepData.params_copy`).
+        curvature_diagonals: the curvature diagonals computed at this step, keyed by the
+            settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
+    """
+
+    g_norms: Tensor | None = None
+    g_sq_per_parameter: Tensor | None = None
+    g_sq: Tensor | None = None
+    g_sq_is_zero: bool | None = None
+    sum_sq: Tensor | None = None
+    params_copy: list[Tensor] | None = None
+    curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
+
+
 @dataclass
 class StepData:
     """Everything a quantity may read at one step, after the backward, before the update.
@@ -87,18 +139,7 @@ class StepData:
             (Alpha projects them onto theta_{t+1} - theta_t once it is known). Keeping it
             keeps the step's captured layer inputs and output gradients alive: drop it as soon
             as it is used.
-        curvature_diagonals: the curvature diagonals computed at this step, keyed by the
-            settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
-        shared: work that several quantities of the step read (||g||^2, the flattened second
-            moments), keyed by what it is, made by the first that needs it.
-        world: the processes the batch is split over (:data:`~avionics.distributed.SINGLE`
-            without data parallelism).
-        batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
         totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
-        local_grads: under data parallelism, this process's gradient of its own loss (before
-            any all-reduce), per tracked parameter; None with one process.
-        sharded: whether each process holds only a shard of each parameter (FSDP):
-            ``params`` and ``grads`` are then this process's shards.
         micro_batches: a step accumulated over k > 1 micro-batches (``cockpit(step, info,
             micro_batch=i, micro_batches=k)``): per micro-batch its captured calls with their
             graph, its per-sample losses with theirs and its share of the step's samples
@@ -106,6 +147,8 @@ class StepData:
             backpropagate through them; None for one batch. Everything else in the step's
             data is of all its micro-batches together, as one batch (``captured`` too, without
             a graph of its own), with ``info`` the last micro-batch's.
+        parallel: the processes the batch is split over (:class:`Parallel`).
+        cache: the work several quantities read (:class:`StepCache`).
     """
 
     step: int
@@ -124,15 +167,10 @@ class StepData:
     active: tuple[Quantity, ...] = ()
     statistics: Statistics | None = None
     captured: CapturedStep | None = None
-    curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
-    shared: dict[str, Any] = field(default_factory=dict)
-    world: World = SINGLE
-    batch_sizes: tuple[int, ...] = ()
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    local_grads: list[Tensor] | None = None
-    sharded: bool = False
     micro_batches: list[MicroBatch] | None = None
-    _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
+    parallel: Parallel = field(default_factory=Parallel)
+    cache: StepCache = field(default_factory=StepCache)
 
     @property
     def optimizer(self):
@@ -142,15 +180,11 @@ class StepData:
     def share(self) -> float:
         """w_r: this process's loss times w_r, summed over the processes, is the global loss
         (N_r / N for a mean, 1 for a sum). Products of the step's graph (Hessian-vector
-        products) are global as :meth:`sum_over_processes` of w_r times the local ones."""
-        if self.world.size == 1 or self.reduction == "sum":
+        products) are global as :meth:`Parallel.sum` of w_r times the local ones."""
+        world = self.parallel.world
+        if world.size == 1 or self.reduction == "sum":
             return 1.0
-        return self.batch_sizes[self.world.rank] / self.batch_size
-
-    def sum_over_processes(self, tensors: list[Tensor]) -> list[Tensor]:
-        """``tensors`` added over the processes (one collective; the tensors themselves with
-        one process). Every process must call it, in the same order."""
-        return sum_over_processes(tensors, self.world)
+        return self.parallel.batch_sizes[world.rank] / self.batch_size
 
     def params_copy(self) -> list[Tensor]:
         """A copy of theta_t (``params`` before the update), made once per step and shared.
@@ -159,9 +193,9 @@ class StepData:
         the same tensors at the same step: one copy serves them all, so a step keeps one
         model-sized copy, not one per quantity. Nobody may modify it in place.
         """
-        if self._params_copy is None:
-            self._params_copy = [p.detach().clone() for p in self.params]
-        return self._params_copy
+        if self.cache.params_copy is None:
+            self.cache.params_copy = [p.detach().clone() for p in self.params]
+        return self.cache.params_copy
 
 
 class Quantity:
@@ -333,25 +367,25 @@ class TwoStepQuantity(Quantity):
 def mean_gradient_sq_norm(data: StepData) -> Tensor:
     """||g||^2 of the mean gradient, float64, computed once per step and shared: the sum of
     :func:`mean_gradient_sq_norms`."""
-    if "g_sq" not in data.shared:
-        data.shared["g_sq"] = mean_gradient_sq_norms(data).sum()
-    return data.shared["g_sq"]
+    if data.cache.g_sq is None:
+        data.cache.g_sq = mean_gradient_sq_norms(data).sum()
+    return data.cache.g_sq
 
 
 def mean_gradient_sq_norms(data: StepData) -> Tensor:
     """[||g^(1)||^2, ..., ||g^(K)||^2] of the mean gradient per tracked parameter, float64,
     computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`)."""
-    if "g_sq_per_parameter" not in data.shared:
-        data.shared["g_sq_per_parameter"] = mean_gradient_norms(data).double().square()
-    return data.shared["g_sq_per_parameter"]
+    if data.cache.g_sq_per_parameter is None:
+        data.cache.g_sq_per_parameter = mean_gradient_norms(data).double().square()
+    return data.cache.g_sq_per_parameter
 
 
 def mean_gradient_norms(data: StepData) -> Tensor:
     """[||g^(1)||, ..., ||g^(K)||] of this process's part of the mean gradient, in its dtype,
     computed once per step (one fused kernel for all parameters) and shared."""
-    if "g_norms" not in data.shared:
-        data.shared["g_norms"] = torch.stack(torch._foreach_norm(data.mean_grad))
-    return data.shared["g_norms"]
+    if data.cache.g_norms is None:
+        data.cache.g_norms = torch.stack(torch._foreach_norm(data.mean_grad))
+    return data.cache.g_norms
 
 
 def per_parameter_rows(tensors: list[Tensor]) -> Tensor:
@@ -404,9 +438,9 @@ def flat_sum_sq(data: StepData) -> Tensor:
     """sum_n g_{n,d}^2 of this process's samples, flattened over all tracked parameters: one
     tensor per step shared by the quantities that read it (returned as their sum of that
     name, it is added over the processes once). Read-only."""
-    if "sum_sq" not in data.shared:
-        data.shared["sum_sq"] = torch.cat([t.reshape(-1) for t in data.statistics.sum_sq])
-    return data.shared["sum_sq"]
+    if data.cache.sum_sq is None:
+        data.cache.sum_sq = torch.cat([t.reshape(-1) for t in data.statistics.sum_sq])
+    return data.cache.sum_sq
 
 
 def global_norm_squared(tensors: list[Tensor]) -> Tensor:
@@ -432,7 +466,7 @@ def per_parameter_distances(
 def whole_norms(norms: Tensor, data: StepData | None) -> Tensor:
     """The norms of whole parameters from their shards' (FSDP): sqrt(sum_r ||shard_r||^2),
     one collective; ``norms`` as they are otherwise."""
-    if data is None or not data.sharded:
+    if data is None or not data.parallel.sharded:
         return norms
-    (squares,) = data.sum_over_processes([norms.double().square()])
+    (squares,) = data.parallel.sum([norms.double().square()])
     return squares.sqrt().to(norms.dtype)

@@ -169,6 +169,6 @@ class OrthoTest(_GradientTest):
 def _zero_gradient(data: StepData) -> bool:
     """Whether ||g||^2 of the mean gradient is zero: read on the host once per step, shared by
     the gradient tests."""
-    if "g_sq is zero" not in data.shared:
-        data.shared["g_sq is zero"] = bool(mean_gradient_sq_norm(data) == 0)
-    return data.shared["g_sq is zero"]
+    if data.cache.g_sq_is_zero is None:
+        data.cache.g_sq_is_zero = bool(mean_gradient_sq_norm(data) == 0)
+    return data.cache.g_sq_is_zero

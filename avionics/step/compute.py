@@ -13,7 +13,7 @@ from collections import defaultdict
 from typing import Any
 
 from avionics.persample.step import factorable
-from avionics.quantities.base import StepData
+from avionics.quantities.base import Parallel, StepData
 from avionics.step.values import Batch, Combined, Entry
 
 
@@ -53,11 +53,13 @@ def compute(
         tracked=params,
         model=model,
         active=tuple(active),
-        world=world,
-        batch_sizes=batch.sizes,
-        sharded=processes.sharded,
         micro_batches=combined.micro_batches,
-        local_grads=processes.local_gradients(combined),
+        parallel=Parallel(
+            world=world,
+            batch_sizes=batch.sizes,
+            local_grads=processes.local_gradients(combined),
+            sharded=processes.sharded,
+        ),
     )
     if request:
         data.captured = engine.step(
