@@ -115,10 +115,6 @@ class OneProcess:
         """Whether the gradients are finite."""
         return all_finite(gradients)
 
-    def statistics(self, captured, request, directions: dict):
-        """The step's per-sample statistics."""
-        return captured.statistics(request, directions)
-
     def add(self, sums: dict) -> dict:
         """The quantities' sums (nothing to add)."""
         return sums
