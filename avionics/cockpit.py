@@ -36,7 +36,7 @@ from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
 from avionics.distributed import current_world, unwrap
 from avionics.persample import PerSampleEngine, Request
-from avionics.quantities.base import Quantity, TwoStepQuantity
+from avionics.quantities.base import Quantity, TwoStepQuantity, check_data_parallel
 from avionics.quantities.loss import Loss
 from avionics.records.sink import Sink
 from avionics.step import checks
@@ -169,6 +169,7 @@ class Cockpit:
         self._sharded = sharded(model, quantities)
         check_ddp_options(self._ddp, quantities)
         self._world = current_world()
+        check_data_parallel(quantities, self._world)
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = checks.tracked_parameters(model, params)

@@ -15,7 +15,9 @@ cockpit calls in this order:
    needs (sum_n ||g_n||^2, histogram counts, ...). Under data parallelism the cockpit adds
    every quantity's sums over the processes in one packed ``all_reduce``; ``compute`` reads the
    totals in ``data.totals[name]`` (with one process, the sums themselves). A quantity whose
-   value needs only the step's loss, gradient and parameters (global already) has no sums.
+   value needs only the step's loss, gradient and parameters (global already) has no sums;
+   one that asks for per-sample statistics and has none is refused by name under data
+   parallelism (:func:`check_data_parallel`: its value would be one process's).
 4. ``compute(data) -> {step: value}``: values keyed by the step they belong to (usually
    ``{data.step: value}``; a two-step quantity stores under its start step, see
    :class:`TwoStepQuantity`).
@@ -216,6 +218,9 @@ class Quantity:
 
     info_keys: tuple[str, ...] = ()
     create_graph: bool = False
+    # True where compute adds this process's per-sample terms over the processes itself
+    # (with data.parallel.sum) instead of through sums: see check_data_parallel
+    adds_over_processes: bool = False
     output: Output = SCALAR
     # The output of the value read per layer (``per_layer=True``, see :meth:`layered`):
     # ``per_parameter("sum")`` for a sum over the tracked parameters, ``PER_LAYER`` for a ratio
@@ -423,6 +428,35 @@ def check_per_layer(quantity: type, per_layer) -> None:
         raise ValueError(
             f"{name}(per_layer=True): {name} has no per-layer reading ({why}); drop "
             f"per_layer=True. The quantities that take it: {', '.join(layered)}."
+        )
+
+
+def check_data_parallel(quantities: list[Quantity], world: World) -> None:
+    """Under data parallelism, refuse by name each quantity that reads this process's
+    per-sample statistics (it overrides :meth:`Quantity.request`) without stating its sums
+    over the samples (:meth:`Quantity.sums`) or adding over the processes itself
+    (``adds_over_processes``): its :meth:`~Quantity.compute` would see this process's samples
+    only, and its value would silently be per process."""
+    if world.size == 1:
+        return
+    per_process = [
+        q.name
+        for q in quantities
+        if type(q).request is not Quantity.request
+        and type(q).sums is Quantity.sums
+        and not q.adds_over_processes
+    ]
+    if per_process:
+        names = ", ".join(per_process)
+        raise TypeError(
+            f"{names} read this process's per-sample statistics (a request) but state no sums "
+            f"over the samples: under data parallelism ({world.size} processes) compute would "
+            "see this process's share of the batch only, and the value would differ between "
+            "the processes. Return the sums over this process's samples from sums(data) (e.g. "
+            '{"sq_norms": ...}) and read them added over the processes from '
+            f'data.totals[{per_process[0]!r}][...] in compute (README, "Your own '
+            'instrument"); a compute that adds them over the processes itself '
+            "(data.parallel.sum) sets adds_over_processes = True on its class."
         )
 
 
