@@ -180,7 +180,7 @@ def choose_variant(
 
 class _Curvature(Quantity):
     """Shared: the curvature diagonal h of the mean loss over the batch (also for a
-    sum-reduced loss), computed once per step.
+    sum-reduced loss), computed once per step (global: see :meth:`_global`).
 
     Args:
         schedule: the steps to track (default every step).
@@ -198,6 +198,7 @@ class _Curvature(Quantity):
 
     info_keys = PER_SAMPLE_KEYS
     create_graph = True
+    adds_over_processes = True  # the diagonal of the global batch, in _global
     eps = 1e-7
 
     def __init__(
