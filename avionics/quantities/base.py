@@ -34,7 +34,10 @@ readers, the exports and the dashboard read its value.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,6 +47,9 @@ from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
 from avionics.records.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
+
+# The package's directory: frames of files under it are avionics' own (see user_stacklevel).
+_PACKAGE = str(Path(__file__).parents[1] / "_")[:-1]
 
 # The info key every non-empty request implies: the per-sample losses give N and whether the
 # loss is their mean or their sum.
@@ -429,6 +435,19 @@ def check_per_layer(quantity: type, per_layer) -> None:
             f"{name}(per_layer=True): {name} has no per-layer reading ({why}); drop "
             f"per_layer=True. The quantities that take it: {', '.join(layered)}."
         )
+
+
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for a warning of the function that calls this one, of
+    the nearest frame outside avionics and :mod:`contextlib` (which runs ``with
+    cockpit(...)``): the user's line, however deep in the step the hook that warns runs."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def check_data_parallel(quantities: list[Quantity], world: World) -> None:

@@ -3,6 +3,7 @@ computes exactly what the variant it chose computes; errors suggest only what wo
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -107,3 +108,17 @@ def test_a_costly_variant_is_refused_before_the_backward(width, classes, curvatu
             ran.append(True)
     assert ran == [] and cockpit.get_output() == {}
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_choice_is_said_at_the_users_with_line():
+    """The warning points at the user's `with cockpit(...)` line, not into the cockpit."""
+    model, X, y = tanh_mlp(8, 3)
+    cockpit = Cockpit(model, [HessTrace()])
+    losses = F.cross_entropy(model(X), y, reduction="none")
+    info = {"loss": losses.mean(), "individual_losses": losses}
+    with pytest.warns(UserWarning, match="curvature='auto'") as said:
+        line = inspect.currentframe().f_lineno + 1
+        with cockpit(0, info=info):
+            losses.mean().backward(create_graph=cockpit.create_graph(0))
+    (warning,) = [w for w in said if "curvature='auto'" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line)
