@@ -55,6 +55,7 @@ from avionics.quantities.base import (
     flat_sum_sq,
     per_parameter_rows,
     per_parameter_sums,
+    user_stacklevel,
 )
 from avionics.quantities.outputs import PER_LAYER, per_parameter
 from avionics.schedules import Schedule
@@ -271,7 +272,7 @@ class _Curvature(Quantity):
             warnings.warn(
                 f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
                 "Pass curvature= to choose (said once).",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         variant = self._chosen or self.curvature
         # the exact Hessian diagonal of a piecewise-linear network is the GGN's where that runs
