@@ -114,17 +114,17 @@ class _NoiseScaleEstimate(Quantity):
         """{"sq_norms": sum_n ||g_n||^2} over this process's samples, or with
         ``per_process`` its own mean gradient's ||g_r||^2 (float64); with ``per_layer``,
         also {"per_parameter": those of each tracked parameter}."""
-        parallel = data.parallel
         if not self.per_process:
             terms = per_parameter_rows(data.statistics.sq_norms).sum(1)
-        elif parallel.local_grads is None:
+        elif data.parallel.local_grads is None:
             terms = torch.full(
                 (len(data.params),), math.nan, dtype=torch.float64, device=data.params[0].device
             )
         else:
-            terms = torch.stack([global_norm_squared([g]).double() for g in parallel.local_grads])
+            local_grads, world = data.parallel.local_grads, data.parallel.world
+            terms = torch.stack([global_norm_squared([g]).double() for g in local_grads])
             if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r
-                terms = terms / parallel.batch_sizes[parallel.world.rank] ** 2
+                terms = terms / data.parallel.batch_sizes[world.rank] ** 2
         if self.per_layer:
             return {SQ_NORMS: terms.sum(), PER_PARAMETER: terms}
         return {SQ_NORMS: terms.sum()}
