@@ -9,8 +9,8 @@ The cockpit composes three parts and owns no computation of its own:
   statistics it arms a capture of that step's forward; after the backward it turns the
   captured layer calls into one :class:`~avionics.persample.CapturedStep` and computes the
   merged request of the step's active quantities with one call;
-* the quantities (:mod:`avionics.quantities`): ``request``, ``prepare`` and ``compute`` of each
-  active one, on one :class:`~avionics.quantities.StepData`;
+* the quantities (:mod:`avionics.quantities`): the four hooks ``request``, ``prepare``,
+  ``sums`` and ``compute`` of each active one, on one :class:`~avionics.quantities.StepData`;
 * the sinks (:mod:`avionics.records.sink`): the run log and any others, which receive each
   finished step's values, converted to plain Python once.
 
@@ -38,7 +38,7 @@ from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
 from avionics.distributed import current_world, unwrap
 from avionics.persample import PerSampleEngine, Request
-from avionics.quantities.base import Quantity, TwoStepQuantity
+from avionics.quantities.base import Quantity, TwoStepQuantity, check_data_parallel
 from avionics.quantities.loss import Loss
 from avionics.records.sink import Sink
 from avionics.step import checks
@@ -92,14 +92,6 @@ class _Held:
         self.capture = self.eager = self.graph_step = None
 
 
-def _held(name: str) -> property:
-    """An attribute of the cockpit kept in its :class:`_Held`."""
-    return property(
-        lambda self: getattr(self._held, name),
-        lambda self, value: setattr(self._held, name, value),
-    )
-
-
 class Cockpit:
     """Instruments for ``model``'s training.
 
@@ -137,10 +129,6 @@ class Cockpit:
     their own end (the compiled code runs no module hooks); every other step runs compiled.
     """
 
-    _capture = _held("capture")
-    _eager = _held("eager")
-    _graph_step = _held("graph_step")
-
     def __init__(
         self,
         model: nn.Module,
@@ -169,17 +157,15 @@ class Cockpit:
         # the cockpit is garbage-collected without it
         self._held = _Held()
         weakref.finalize(self, self._held.release)
-        self._eager = None  # the compiler's eager stance, while entered
         self._sharded = sharded(model, quantities)
         check_ddp_options(self._ddp, quantities)
         self._world = current_world()
+        check_data_parallel(quantities, self._world)
         self.model = model
         self.quantities = quantities
         self.params, self.param_names = checks.tracked_parameters(model, params)
         self._every_parameter = params is None
         self._engine = PerSampleEngine(model, self.params)
-        # entered for a step that differentiates the gradient again (see _keep_graph_if)
-        self._graph_step = None
         if self._sharded:
             self._processes = Sharded(self.params, self._world, model)
             self._engine = self._processes.engine(self._engine)
@@ -187,7 +173,6 @@ class Cockpit:
             self._processes = OneProcess(self.params, self._world)
         else:
             self._processes = DataParallel(self.params, self._world, self._ddp, False)
-        self._capture = None
         self._since = time.perf_counter()  # when the last block ended (the per-rank view)
         self._accumulation: Accumulation | None = None  # the micro-batches seen of a step
         self._last_step: int | None = None  # the last step that finished
@@ -329,8 +314,9 @@ class Cockpit:
             entry.batch = with_finiteness(entry.batch)
         entry.finite = entry.batch.finite  # (None on one process until read after the backward)
         if entry.finite is not False:
-            checks.check_loss_graphs(step, info, active, self._capture, self.model)
-            checks.validate_forwards(step, info, active, self._capture, self.model, self.params)
+            capture = self._held.capture
+            checks.check_loss_graphs(step, info, active, capture, self.model)
+            checks.validate_forwards(step, info, active, capture, self.model, self.params)
 
     def _record(self, entry: Entry):
         """Before the backward: the step takes the capture, and hooks record what its
@@ -341,7 +327,7 @@ class Cockpit:
             if entry.index == 0:
                 self._disarm()  # armed for this step, not needed by it
             return None, None, []
-        capture, self._capture = self._capture, None
+        capture, self._held.capture = self._held.capture, None
         if capture is not None:
             capture.disarm()
         single, several = entry.single, self._world.size > 1
@@ -603,10 +589,10 @@ class Cockpit:
         return [q for q in active if not q.request(step)], Request()
 
     def _disarm(self) -> None:
-        if self._capture is not None:
-            self._capture.disarm()
-            self._capture.release()
-            self._capture = None
+        if self._held.capture is not None:
+            self._held.capture.disarm()
+            self._held.capture.release()
+            self._held.capture = None
 
     def _request(self, step: int) -> Request:
         """What the quantities active at ``step`` ask of its captured forward and backward."""
@@ -627,31 +613,31 @@ class Cockpit:
         step whose forward is captured or differentiated twice to that step's end
         (``torch.compiler.set_stance("force_eager")``: the compiled code calls no module
         hooks and keeps no double backward), and compiled on every other step."""
-        if needed and self._compiled and self._eager is None:
-            self._eager = torch.compiler.set_stance("force_eager")  # (set on creation)
-        elif not needed and self._eager is not None:
-            self._eager.__exit__(None, None, None)  # the stance before
-            self._eager = None
+        if needed and self._compiled and self._held.eager is None:
+            self._held.eager = torch.compiler.set_stance("force_eager")  # (set on creation)
+        elif not needed and self._held.eager is not None:
+            self._held.eager.__exit__(None, None, None)  # the stance before
+            self._held.eager = None
 
     def _arm_with(self, request: Request) -> None:
         """Capture the next forward for ``request`` (nothing is hooked when it is empty)."""
         self._disarm()
         if request:
-            self._capture = self._engine.capture()
-            self._capture.arm(request)
+            self._held.capture = self._engine.capture()
+            self._held.capture.arm(request)
 
     def _keep_graph_if(self, needed: bool) -> None:
         """Prepare the next step's forward and backward for a second differentiation, or
         stop: the math kernel of scaled_dot_product_attention (the fused CPU kernels have no
         double backward), and under DDP its no_sync() (DDP refuses create_graph)."""
-        if needed and self._graph_step is None:
-            self._graph_step = MathAttention()
-            self._graph_step.__enter__()
+        if needed and self._held.graph_step is None:
+            self._held.graph_step = MathAttention()
+            self._held.graph_step.__enter__()
             self._processes.no_sync(True)
-        elif not needed and self._graph_step is not None:
+        elif not needed and self._held.graph_step is not None:
             self._processes.no_sync(False)
-            self._graph_step.__exit__(None, None, None)
-            self._graph_step = None
+            self._held.graph_step.__exit__(None, None, None)
+            self._held.graph_step = None
 
     def _metadata(self) -> dict:
         return {

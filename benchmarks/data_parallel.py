@@ -116,13 +116,13 @@ def _timed(problem, make_cockpit, steps, warmup, shard=None, wrap=False):
     opts = [torch.optim.SGD(m.parameters(), lr=0.01) for m in (model, plain)]
     tracked, plain_t = [], []
     for k in range(warmup + steps):
-        if cockpit._capture is not None:
-            cockpit._capture.disarm()
+        if cockpit._held.capture is not None:
+            cockpit._held.capture.disarm()
         t0 = time.perf_counter()
         _step(plain, forwards[1], None, opts[1], X, y, loss_fn, k)
         t1 = time.perf_counter()
-        if cockpit._capture is not None:
-            cockpit._capture.arm()
+        if cockpit._held.capture is not None:
+            cockpit._held.capture.arm()
         _step(model, forwards[0], cockpit, opts[0], X, y, loss_fn, k)
         t2 = time.perf_counter()
         if k >= warmup:

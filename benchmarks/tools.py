@@ -70,12 +70,12 @@ class Avionics(Plain):
 
     # The capture is armed between tracked steps; the plain copy's steps run without its hook.
     def pause(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.disarm()
+        if self.cockpit._held.capture is not None:
+            self.cockpit._held.capture.disarm()
 
     def resume(self) -> None:
-        if self.cockpit._capture is not None:
-            self.cockpit._capture.arm()
+        if self.cockpit._held.capture is not None:
+            self.cockpit._held.capture.arm()
 
 
 class Reference(Plain):

@@ -46,7 +46,7 @@ def test_the_engine_makes_every_tensor_on_the_models_device(architecture):
         binning.torch_count_2d(chunk, offsets, 10, -1.0, 1.0, joint)
 
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad"}))
-    stats = step.statistics(request, {"grad": [p.grad for p in params]})
+    stats = step.statistics(request, {"grad": [p.grad for p in params]}, sample_mean="grad")
     step.statistics(Request(visitors=(visit,)), {})
     results = [*stats.sq_norms, *stats.sum_sq, *stats.projections["grad"]]
     assert len(results) == 3 * len(params)

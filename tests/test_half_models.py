@@ -203,7 +203,7 @@ def test_the_engine_computes_a_half_models_statistics_in_float32(architecture, d
     y = y.to(device)
     engine, step, mean_grad, params = models.captured_engine_step(model, X, y, loss_fn)
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad"}))
-    stats = step.statistics(request, {"grad": mean_grad})
+    stats = step.statistics(request, {"grad": mean_grad}, sample_mean="grad")
     reference = copy.deepcopy(model).double()
     X_ref = X.double() if X.is_floating_point() else X
     per_sample = models.per_sample_gradients(reference, X_ref, y, loss_fn)

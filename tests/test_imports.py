@@ -1,7 +1,8 @@
 """The package's imports form no cycle: a module a newcomer reads never needs the module that
 imports it. ``from P import name`` counts as an import of P (it reads P's namespace) and of
-``P.name`` when that is a module; imports inside functions count too (only those under
-``if TYPE_CHECKING:`` do not, since they never run)."""
+``P.name`` when that is a module. Imports inside functions and under ``if TYPE_CHECKING:``
+count too: a deferred or type-only import hides a cycle without removing it (the reader still
+needs both modules to understand either); move what both need to the lower module instead."""
 
 from __future__ import annotations
 
@@ -16,21 +17,16 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST):
-    """Every node of ``tree`` outside ``if TYPE_CHECKING:`` blocks."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        yield node
-        yield from _runtime_nodes(node)
-
-
 def module_imports(path: Path, modules: set[str]) -> set[str]:
     """The avionics modules that ``path`` imports."""
-    name = module_name(path)
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    return imports_of(path.read_text(), module_name(path), path.name == "__init__.py", modules)
+
+
+def imports_of(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The ``modules`` that the source of module ``name`` imports, anywhere in it."""
+    package = name if is_package else name.rpartition(".")[0]
     found = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -80,3 +76,18 @@ def test_the_check_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     graph = import_graph()
     assert "avionics.persample" in graph["avionics.quantities.base"]
+
+
+def test_the_check_sees_deferred_and_type_only_imports():
+    source = """
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from avionics.a import A
+
+
+def f():
+    from . import b
+"""
+    found = imports_of(source, "avionics.c", False, {"avionics.a", "avionics.b"})
+    assert found == {"avionics.a", "avionics.b"}

@@ -35,7 +35,7 @@ from avionics.dashboard.style import (
 )
 from avionics.diagnosis.layers import RATIO_RANGE
 from avionics.records.reader import as_run
-from avionics.records.series import LayerSeries, per_parameter, series
+from avionics.records.series import LayerSeries, parameter_series, series
 
 HEALTH = "ActivationHealth"
 FRACTIONS = (("dead", "Dead units"), ("saturated", "Saturated values"))
@@ -121,9 +121,9 @@ def update_ratio_panel(fig, spec, run) -> Axes:
     the parameters' shapes), the global ratio (thick), and the usual range as a band."""
     ax = fig.add_subplot(spec)
     title, ylabel = "Update-to-weight ratio", r"$\|\Delta\theta\| / \|\theta\|$"
-    # (records.series.per_parameter cannot read a run without the quantity yet)
+    # (records.series.parameter_series cannot read a run without the quantity yet)
     recorded = any("UpdateRatio" in values for values in run.steps.values())
-    layers = per_parameter(run, "UpdateRatio") if recorded else None
+    layers = parameter_series(run, "UpdateRatio") if recorded else None
     if layers is None or not layers.labels:
         return empty_panel(ax, title, STEP, ylabel, "UpdateRatio()")
     style_panel(ax, title, STEP, ylabel)

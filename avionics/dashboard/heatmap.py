@@ -22,7 +22,7 @@ from matplotlib.colors import LogNorm, Normalize, SymLogNorm
 from matplotlib.ticker import MaxNLocator
 
 from avionics.dashboard.style import STEP, TITLE, empty_panel, short_labels
-from avionics.records.series import LayerSeries, per_module, per_parameter
+from avionics.records.series import LayerSeries, parameter_series, per_module
 
 MAX_LABELS = 30
 NON_FINITE = "#b0b0b0"
@@ -31,7 +31,7 @@ NON_FINITE = "#b0b0b0"
 def layers(run, name: str) -> tuple[LayerSeries, str]:
     """(``name`` per module, "module") where its parameters group into modules (a reduction
     and the parameters' names in the log), else (per parameter, "parameter")."""
-    parameters = per_parameter(run, name)
+    parameters = parameter_series(run, name)
     named = len(parameters.labels) == len(run.parameter_names) > 0
     if named and run.output(name).reduce is not None:
         return per_module(run, name), "module"

@@ -18,94 +18,22 @@ from __future__ import annotations
 import weakref
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
-from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from avionics.persample.calls import ModuleCall, Shape
 from avionics.persample.precision import LOW_PRECISION
 from avionics.persample.request import Request
+from avionics.persample.rules.broadcast import hook_shared_outputs
+from avionics.persample.rules.randomness import draws_in_forward, state_before
 
 # A forward that is never backpropagated (e.g. an evaluation pass run with gradients enabled)
 # leaves calls that receive no gradient; keep at most this many root calls while armed.
 MAX_ROOT_CALLS = 8
-
-
-class _Shape:
-    """What is kept of an output once its gradient is hooked: shape, dtype, device."""
-
-    def __init__(self, t: Tensor):
-        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
-
-
-@dataclass
-class ModuleCall:
-    """One call of a watched module: its inputs, and (after backward) its output gradients.
-
-    ``batch_axis`` is the axis of the batch in the module's tensors (1 below a module with
-    ``batch_first=False``, else 0). ``grad_outputs`` has one entry per tensor in the flattened
-    output, None where no gradient arrived. ``summaries`` (root calls only): what the
-    request's output visitors returned for the module calls of this forward, as ``(visitor,
-    module, summary)`` in call order.
-    """
-
-    module: nn.Module
-    args: tuple
-    kwargs: dict
-    outputs: list[_Shape]
-    nodes: list
-    node_outputs: list[int]
-    batch_axis: int
-    inputs: list[Tensor]
-    input_versions: list[int]
-    grad_outputs: list[Tensor | None] = field(default_factory=list)
-    summaries: list[tuple] = field(default_factory=list)
-    # per output: its per-sample gradient where the output is shared by all samples and
-    # broadcast into the batch by additions (see avionics.persample.rules.broadcast)
-    broadcast_grad_outputs: list[Tensor | None] = field(default_factory=list)
-    # (device, random generator state) as the call began, for a module whose own forward
-    # draws random numbers that a rule re-runs (avionics.persample.rules.randomness)
-    rng_state: tuple | None = None
-    # (root calls only) id(parameter) -> per-sample gradients [N, *shape] of a parameter used
-    # directly in a forward and broadcast into the batch by additions (None: not broadcast)
-    shared_parameter_gradients: dict = field(default_factory=dict)
-
-    def __post_init__(self):
-        self.grad_outputs = [None] * len(self.outputs)
-
-    def carries_batch(self, n: int) -> bool:
-        """Whether the first input tensor has the ``n`` samples on the batch axis (a
-        PackedSequence: as many sequences as ``n``)."""
-        if self.args and isinstance(self.args[0], PackedSequence):
-            return int(self.args[0].batch_sizes[0]) == n
-        if not self.inputs:
-            return False
-        first = self.inputs[0]
-        return first.dim() > self.batch_axis and first.shape[self.batch_axis] == n
-
-    def with_grad_outputs(self, grad_outputs: list[Tensor | None]) -> ModuleCall:
-        """This call with other output gradients (e.g. one backpropagated column of a loss
-        Hessian root instead of the loss gradient)."""
-        call = replace(self, broadcast_grad_outputs=[])  # (__post_init__ resets grad_outputs)
-        call.grad_outputs = grad_outputs
-        return call
-
-    @property
-    def received_gradient(self) -> bool:
-        return any(g is not None for g in self.grad_outputs)
-
-    def check_inputs_unchanged(self, name: str) -> None:
-        for t, version in zip(self.inputs, self.input_versions, strict=True):
-            if t._version != version:
-                raise RuntimeError(
-                    f"The input of module '{name}' was modified in place after the module "
-                    "used it; its per-sample gradients cannot be computed. Replace the in-place "
-                    "operation on that tensor (e.g. `x += y` -> `x = x + y`)."
-                )
 
 
 def batch_axes(model: nn.Module) -> dict[nn.Module, int]:
@@ -165,8 +93,6 @@ class Capture:
         """Start recording; with ``request``, also summarise module outputs as its
         ``module_outputs`` visitors ask (at forward time: the outputs are not kept). Without
         one, a capture armed again (after a pause) keeps the visitors it had."""
-        from avionics.persample.rules.randomness import draws_in_forward, state_before
-
         if request is not None:
             self._output_visitors = request.module_outputs
         if self._forward_handle is None:
@@ -229,7 +155,7 @@ class Capture:
                 module=module,
                 args=args,
                 kwargs=kwargs,
-                outputs=[_Shape(t) for t in outputs],
+                outputs=[Shape(t) for t in outputs],
                 nodes=[n for n, t in zip(nodes, outputs) if t.requires_grad],
                 node_outputs=[i for i, t in enumerate(outputs) if t.requires_grad],
                 batch_axis=self._axes.get(module, 0),
@@ -252,8 +178,6 @@ class Capture:
 
     def record_gradients(self) -> None:
         """Hook every captured output so that the next backward stores its gradient."""
-        from avionics.persample.rules.broadcast import hook_shared_outputs  # (imports us)
-
         for call in self.calls:
             for i, node in zip(call.node_outputs, call.nodes, strict=True):
                 store = _storer(call, i)

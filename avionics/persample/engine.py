@@ -1,17 +1,13 @@
-"""The per-sample engine: where each tracked parameter's per-sample gradient comes from.
+"""The per-sample engine: the capture of a step, its captured step, and their check.
 
-For every tracked parameter it finds the module calls its gradient flows through (the
-statistics themselves come from one :class:`~avionics.persample.step.CapturedStep` a step):
-
-* the modules that register it (several when weights are tied, e.g. an LM head tied to the
-  token embedding), when they were called;
-* otherwise the nearest called ancestor, which *adopts* it: a parameter used directly in a
-  parent's forward (``nn.MultiheadAttention`` uses ``out_proj.weight`` without calling
-  ``out_proj``; a vision transformer adds its position table in its own forward);
-* on the first step, and whenever the pattern of calls changes, the sum over samples of the
-  result is checked against autograd's gradient. A parameter whose check fails (it is also used
-  outside the modules that own it) is handled from then on by the root module's generic rule,
-  which covers every use in the forward.
+For every tracked parameter the engine's :class:`~avionics.persample.routing.Routing` finds
+the module calls its gradient flows through (the modules that register it, or the nearest
+called ancestor that adopts it); the statistics themselves come from one
+:class:`~avionics.persample.step.CapturedStep` a step. On the first step, and whenever the
+pattern of calls changes, the sum over samples of the result is checked against autograd's
+gradient. A parameter whose check fails (it is also used outside the modules that own it) is
+handled from then on by the root module's generic rule, which covers every use in the
+forward.
 
 A parameter with one contribution gets its statistics from that rule's closed forms; one with
 several (tied weights, adopted parameters) is materialised in chunks, summed over its
@@ -27,53 +23,39 @@ the bilinear rules project onto it directly, every other path receives it as a t
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import Capture, ModuleCall, at_least_float32, batch_axes
+from avionics.persample.calls import ModuleCall
+from avionics.persample.capture import Capture, at_least_float32, batch_axes
 from avionics.persample.precision import computing, computing_dtype
+from avionics.persample.routing import Routing
 from avionics.persample.rules.broadcast import parameter_owners
 from avionics.persample.step import CapturedStep
 
 # Elements of one slice of the gradient check's differences (1 MiB in float32).
 CHECK_CHUNK = 2**18
-# Patterns of calls whose contributions are kept (a model called in few ways has few).
-MAX_PATTERNS = 64
 # Relative tolerance of the check of summed per-sample gradients against autograd's.
 CHECK_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
 
 
-class PerSampleEngine:
-    """Per-sample statistics of ``params`` (parameters of ``model``), one step at a time."""
+class PerSampleEngine(Routing):
+    """Per-sample statistics of ``params`` (parameters of ``model``), one step at a time: the
+    :class:`~avionics.persample.routing.Routing` of their gradients, the capture of a step
+    (:meth:`capture`) and its :class:`~avionics.persample.step.CapturedStep` (:meth:`step`),
+    checked against autograd's gradient."""
 
     def __init__(self, model: nn.Module, params: list[Tensor]):
-        self.model, self.params = model, params
-        self.index = {id(p): k for k, p in enumerate(params)}  # id(parameter) -> its index
-        self._names = {m: name for name, m in model.named_modules()}
-        self._parent: dict[nn.Module, nn.Module] = {}
-        for m in self._names:
-            for child in m.children():
-                self._parent.setdefault(child, m)
-        # owners[k]: (module, attribute name) pairs that register parameter k
-        self.owners: list[list[tuple[nn.Module, str]]] = [[] for _ in params]
-        for m in self._names:
-            for name, p in m.named_parameters(recurse=False, remove_duplicate=False):
-                if id(p) in self.index:
-                    self.owners[self.index[id(p)]].append((m, name))
-        self._from_root: set[int] = set()
+        super().__init__(model, params)
         self._checked_pattern: tuple | None = None
         self._batchnorms = [
             m for m in self._names if isinstance(m, nn.modules.batchnorm._BatchNorm)
         ]
         self._warned: set[nn.Module] = set()  # modules already warned about
-        self._slow: set[nn.Module] = set()  # modules already reported by warn_slow_path
         self._watched: list[nn.Module] | None = None  # what capture() watches, found once
         self._axes: dict[nn.Module, int] = {}  # each module's batch axis (capture.batch_axes)
         self._owners: list = []  # the broadcast rule's parameter_owners of the model
-        # contributions() by the pattern of calls it was asked for (see _contributions_key)
-        self._contributions: dict[tuple, list] = {}
 
     def capture(self) -> Capture:
         """A capture watching every module that owns a tracked parameter, and its ancestors."""
@@ -88,60 +70,6 @@ class PerSampleEngine:
             self._axes = batch_axes(self.model)
             self._owners = parameter_owners(self.model)
         return Capture(self.model, self._watched, self._axes, self._owners, self._names)
-
-    def rerouted(self, k: int) -> bool:
-        """Whether the gradient check moved parameter k to the root module's generic rule."""
-        return k in self._from_root
-
-    # ----------------------------------------------------------------------------------------
-    def _relative_name(self, ancestor: nn.Module, module: nn.Module, name: str) -> str:
-        prefix, path = self._names[ancestor], self._names[module]
-        inner = path if prefix == "" else path[len(prefix) + 1 :]
-        return f"{inner}.{name}" if inner else name
-
-    def contributions(
-        self, calls: dict[nn.Module, list[ModuleCall]], n: int, captured_backward: bool = False
-    ):
-        """For each parameter index: the (module, name) pairs its per-sample gradient sums.
-
-        A module counts as called only where its calls carry the batch: a position table
-        looked up with ``arange(T)`` is shared by all samples, and its per-sample gradients
-        only separate in the parent that adds it to each sample. With ``captured_backward``
-        (the calls' output gradients are the captured backward's), a call whose shared output
-        has per-sample gradients from its consumers (:mod:`avionics.persample.rules.broadcast`)
-        counts as carrying the batch.
-        """
-
-        def carries(call: ModuleCall) -> bool:
-            shared = captured_backward and any(g is not None for g in call.broadcast_grad_outputs)
-            return shared or call.carries_batch(n)
-
-        batched = {m: all(carries(c) for c in cs) for m, cs in calls.items()}
-        # the same modules called with the batch and the same routing give the same pairs
-        key = (tuple((id(m), b) for m, b in batched.items()), frozenset(self._from_root))
-        if key not in self._contributions:
-            if len(self._contributions) >= MAX_PATTERNS:
-                self._contributions.clear()
-            self._contributions[key] = self._pairs(batched)
-        return self._contributions[key]
-
-    def _pairs(self, batched: dict[nn.Module, bool]) -> list[list[tuple[nn.Module, str]]]:
-        """:meth:`contributions` where ``batched[m]`` says whether module m's calls carry the
-        batch."""
-        result: list[list[tuple[nn.Module, str]]] = []
-        for k, owners in enumerate(self.owners):
-            if k in self._from_root:
-                result.append([(self.model, self._relative_name(self.model, *owners[0]))])
-                continue
-            pairs: dict[nn.Module, str] = {}
-            for module, name in owners:
-                host = module
-                while host is not None and not batched.get(host, False):
-                    host = self._parent.get(host)
-                if host is not None:
-                    pairs.setdefault(host, self._relative_name(host, module, name))
-            result.append(list(pairs.items()))
-        return result
 
     # ----------------------------------------------------------------------------------------
     def step(
@@ -190,36 +118,6 @@ class PerSampleEngine:
                     "statistics.",
                     stacklevel=6,
                 )
-
-    def warn_slow_path(
-        self, module: nn.Module, names: list[str], reason: str | None, seconds: float, samples: int
-    ) -> None:
-        """Warn once per module whose per-sample gradients took a slow path of the generic
-        rule (``seconds`` for ``samples`` samples), naming its parameters and the cost: the
-        per-sample loop (``reason``: why vmap could not batch the module), or a re-run of the
-        whole model (parameters used directly in the root's forward, not by additions)."""
-        if module in self._slow or (reason is None and module is not self.model):
-            return
-        self._slow.add(module)
-        prefix = self._names[module] + "." if self._names[module] else ""
-        params = ", ".join(prefix + name for name in names)
-        cost = f"{seconds:.3g} s for {samples} samples, at every step that needs them"
-        if reason is None:
-            how = (
-                f"The per-sample gradients of {params} (used directly in the model's forward) "
-                f"come from re-running the whole model under torch.func.vmap: {cost}. Add such "
-                "a parameter to the batch (x + p), or move it into a module of its own."
-            )
-        else:
-            how = (
-                f"Module '{self.module_name(module)}' ({type(module).__name__}): "
-                f"torch.func.vmap cannot batch its forward ({reason}), so the per-sample "
-                f"gradients of {params} are computed one sample at a time: {cost}, about "
-                f"{1e3 * seconds / samples:.3g} ms per sample. Replace the operation vmap "
-                "cannot batch, or register a closed-form rule for the module "
-                "(avionics.persample.rules)."
-            )
-        warnings.warn(how, stacklevel=2)
 
     def _warn_coupled(self, step: CapturedStep, gradients: list[Tensor | None]) -> None:
         """After rerouting: parameters whose per-sample gradients through the root's generic
@@ -302,29 +200,6 @@ class PerSampleEngine:
                     summed.pop(k, None)
                     compare(k, total)
         return sorted(mismatched)
-
-    @contextmanager
-    def naming(self, module: nn.Module):
-        """Re-raise a rule's error with the module it failed on."""
-        try:
-            yield
-        except (RuntimeError, NotImplementedError, ValueError) as error:
-            if str(error).startswith("Module '"):
-                raise
-            name = self.module_name(module)
-            raise type(error)(
-                f"Module '{name}' ({type(module).__name__}): the per-sample engine cannot "
-                f"compute its per-sample gradients: {error}"
-            ) from error
-
-    def module_name(self, module: nn.Module) -> str:
-        """The module's name in the model, or "the model" for the root."""
-        return self._names[module] or "the model"
-
-    def _param_name(self, k: int) -> str:
-        module, name = self.owners[k][0]
-        prefix = self._names[module]
-        return f"{prefix}.{name}" if prefix else name
 
 
 def _norm(t: Tensor) -> Tensor:

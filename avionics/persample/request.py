@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-# The direction named "grad" is always the mean gradient g = mean_n g_n; rules may compute
-# g_n . g from inner products of per-sample gradients instead of from the tensor.
+# The direction named "grad" is the step's mean gradient g (of the global batch), which the
+# cockpit supplies to every quantity that names it.
 MEAN_GRADIENT = "grad"
 
 
@@ -66,6 +66,10 @@ class Request:
       captured forward (activation statistics: no per-sample gradient is needed for them).
     * ``calls``: only the captured layer calls (for quantities that backpropagate through them
       themselves, as the GGN diagonal does); implied by every statistic.
+    * ``sample_mean``: the direction among ``directions`` that is the mean (1/n) sum_n g_n of
+      the very g_n the statistics are of, or None: the rules may then compute g_n . v from the
+      inner products g_n . g_m instead of from v. Set by the captured step
+      (:meth:`~avionics.persample.step.CapturedStep.statistics`), not by quantities.
     """
 
     sq_norms: bool = False
@@ -74,6 +78,7 @@ class Request:
     visitors: tuple[Visitor, ...] = ()
     calls: bool = False
     module_outputs: tuple[OutputVisitor, ...] = ()
+    sample_mean: str | None = None
 
     def __or__(self, other: Request) -> Request:
         return Request(
@@ -83,6 +88,7 @@ class Request:
             visitors=_merged(self.visitors, other.visitors),
             calls=self.calls or other.calls,
             module_outputs=_merged(self.module_outputs, other.module_outputs),
+            sample_mean=self.sample_mean or other.sample_mean,
         )
 
     @property

@@ -22,14 +22,15 @@ step itself is still wanted, and dropping the step releases everything it captur
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.capture import ModuleCall
+from avionics.persample.calls import ModuleCall
 from avionics.persample.precision import computing, computing_dtype
 from avionics.persample.request import Accumulator, Request, Statistics
+from avionics.persample.routing import Routing
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import Rule, chunk_size
 from avionics.persample.rules.bilinear import BilinearRule
@@ -38,15 +39,13 @@ from avionics.persample.rules.factored import FactoredDirection, dense
 from avionics.persample.rules.generic import GenericRule
 from avionics.persample.rules.linear import LinearRule
 
-if TYPE_CHECKING:
-    from avionics.persample.engine import PerSampleEngine
-
 
 class CapturedStep:
     """The per-sample statistics of one captured forward and backward.
 
     Args:
-        engine: the engine whose parameters and routing this step follows.
+        engine: the routing of the parameters' gradients this step follows (the
+            :class:`~avionics.persample.engine.PerSampleEngine` that made it).
         calls: the captured calls that received a gradient, grouped by module.
         n: the number of samples N.
         output_gradient_factor: the factor that turns a captured output gradient into the
@@ -56,7 +55,7 @@ class CapturedStep:
 
     def __init__(
         self,
-        engine: PerSampleEngine,
+        engine: Routing,
         calls: dict[nn.Module, list[ModuleCall]],
         n: int,
         output_gradient_factor: float,
@@ -120,6 +119,7 @@ class CapturedStep:
         request: Request,
         directions: dict[str, list[Tensor]],
         params: list[Tensor] | None = None,
+        sample_mean: str | None = None,
     ) -> Statistics:
         """The request's statistics of this step's g_n, one entry per tracked parameter.
 
@@ -127,8 +127,12 @@ class CapturedStep:
         :class:`~avionics.persample.rules.factored.FactoredDirection`). Once the parameters
         have changed (after ``optimizer.step()``), pass ``params``, their values at this step:
         they are swapped in while it runs, for the rules that re-run a module's forward, and
-        rules are built afresh for them.
+        rules are built afresh for them. ``sample_mean``: the direction that is the mean of
+        this step's g_n (the step's mean gradient, where this step's samples are the whole
+        batch; see :attr:`Request.sample_mean <avionics.persample.request.Request>`), or None.
         """
+        if sample_mean in request.directions:
+            request = replace(request, sample_mean=sample_mean)
         if params is None:
             return self._statistics(self.rules, request, directions)
         tracked = self.engine.params
@@ -149,12 +153,10 @@ class CapturedStep:
             per_param: list[dict] = [{} for _ in params]
             # Projections are linear in g_n: a parameter with several contributions (tied
             # weights) gets them as the sum of each contribution's closed form when only
-            # directions are asked; norms and visitors need the summed g_n materialised.
-            # The directions are renamed there, so that no rule takes "grad" for the mean of
-            # its own contribution.
+            # directions are asked (no direction is the mean of one contribution's g_n); norms
+            # and visitors need the summed g_n materialised.
             linear_only = not (request.sq_norms or request.sum_sq or request.visitors)
-            part = {d: f"{d} (one contribution)" for d in request.directions}
-            partial = Request(directions=frozenset(part.values()))
+            partial = Request(directions=request.directions)
             summed: dict[int, dict[str, Tensor]] = {}
             for rule in rules.values():
                 # factored directions reach the bilinear rules only (dense for the others)
@@ -167,7 +169,7 @@ class CapturedStep:
                         dirs.append({d: keep(directions[d][k]) for d in request.directions})
                     elif linear_only:
                         requests.append(partial)
-                        dirs.append({part[d]: dense(directions[d][k]) for d in part})
+                        dirs.append({d: dense(directions[d][k]) for d in request.directions})
                     else:
                         requests.append(Request())
                         dirs.append({})
@@ -177,10 +179,10 @@ class CapturedStep:
                 for k, result in zip(indices, results, strict=True):
                     if len(contributions[k]) == 1:
                         per_param[k] = result
-                    elif linear_only and part:
+                    elif linear_only and request.directions:
                         into = summed.setdefault(k, {})
-                        for d, renamed in part.items():
-                            value = result["projections"][renamed]
+                        for d in request.directions:
+                            value = result["projections"][d]
                             into[d] = value if d not in into else into[d] + value
             for k, pairs in enumerate(contributions):
                 if len(pairs) > 1 and linear_only:
@@ -270,12 +272,7 @@ def _reindexed(request: Request, k: int) -> Request:
     def at(visit):
         return lambda _, chunk: visit(k, chunk)
 
-    return Request(
-        sq_norms=request.sq_norms,
-        sum_sq=request.sum_sq,
-        directions=request.directions,
-        visitors=tuple(at(v) for v in request.visitors),
-    )
+    return replace(request, visitors=tuple(at(v) for v in request.visitors))
 
 
 def _zero_statistics(p: Tensor, request: Request, directions, n: int, k: int) -> dict:

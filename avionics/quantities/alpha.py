@@ -215,12 +215,12 @@ class _Start:
         when ``optimizer.step()`` returns (asked when it does)."""
         n, f, var_f = _moments(data.totals["Alpha"], "f", data.batch_size)
         start = cls(data.step, n, f, var_f)
-        start.shards = data.world if data.sharded else None
+        start.shards = data.parallel.world if data.parallel.sharded else None
         optimizer = data.optimizer
         # Under data parallelism the update is -lr times what the processes' gradients average
         # to (DDP's mean of their means, not the global batch's mean with unequal batches):
         # it is measured
-        lr = plain_sgd_learning_rate(optimizer) if data.world.size == 1 else None
+        lr = plain_sgd_learning_rate(optimizer) if data.parallel.world.size == 1 else None
         if lr is not None and "grad" in data.statistics.projections:
             # s = -lr * p.grad, and p.grad = c * g with c > 0 (c = N for a sum-reduced loss):
             # s / tau = -p.grad / ||p.grad|| and (g_n . s) / tau = -(g_n . g) / ||g||, from the

@@ -15,7 +15,9 @@ cockpit calls in this order:
    needs (sum_n ||g_n||^2, histogram counts, ...). Under data parallelism the cockpit adds
    every quantity's sums over the processes in one packed ``all_reduce``; ``compute`` reads the
    totals in ``data.totals[name]`` (with one process, the sums themselves). A quantity whose
-   value needs only the step's loss, gradient and parameters (global already) has no sums.
+   value needs only the step's loss, gradient and parameters (global already) has no sums;
+   one that asks for per-sample statistics and has none is refused by name under data
+   parallelism (:func:`check_data_parallel`: its value would be one process's).
 4. ``compute(data) -> {step: value}``: values keyed by the step they belong to (usually
    ``{data.step: value}``; a two-step quantity stores under its start step, see
    :class:`TwoStepQuantity`).
@@ -23,7 +25,8 @@ cockpit calls in this order:
 Under data parallelism (:mod:`avionics.distributed`) every value is that of the global batch,
 the concatenation of the processes' batches: ``loss``, ``grads``, ``mean_grad`` and
 ``batch_size`` in :class:`StepData` are global; ``individual_losses``, ``statistics``,
-``graph_grads`` and ``captured`` are this process's.
+``graph_grads`` and ``captured`` are this process's; ``parallel`` (:class:`Parallel`) says
+how the batch is split.
 
 Each class declares its ``output`` (:mod:`avionics.quantities.outputs`): how the run log's
 readers, the exports and the dashboard read its value.
@@ -31,7 +34,10 @@ readers, the exports and the dashboard read its value.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +47,9 @@ from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
 from avionics.records.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
+
+# The package's directory: frames of files under it are avionics' own (see user_stacklevel).
+_PACKAGE = str(Path(__file__).parents[1] / "_")[:-1]
 
 # The info key every non-empty request implies: the per-sample losses give N and whether the
 # loss is their mean or their sum.
@@ -57,6 +66,59 @@ class MicroBatch:
     calls: dict
     individual_losses: Tensor
     share: float
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """The processes a step's batch is split over (data parallelism), as its quantities see
+    them: one process (:data:`~avionics.distributed.SINGLE`) without data parallelism.
+
+    Attributes:
+        world: the processes (rank and size).
+        batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
+        local_grads: under data parallelism, this process's gradient of its own loss (before
+            any all-reduce), per tracked parameter; None with one process.
+        sharded: whether each process holds only a shard of each parameter (FSDP): the step's
+            ``params`` and ``grads`` are then this process's shards.
+        ranks: under data parallelism, per process (N_r, its own loss L_r as reduced, the
+            seconds of its step outside the collectives), [W, 3] float64, from the step's
+            agreement (:class:`~avionics.step.parallel.Agreement`); None with one process.
+    """
+
+    world: World = SINGLE
+    batch_sizes: tuple[int, ...] = ()
+    local_grads: list[Tensor] | None = None
+    sharded: bool = False
+    ranks: Tensor | None = None
+
+    def sum(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` added over the processes (one collective; the tensors themselves with
+        one process). Every process must call it, in the same order."""
+        return sum_over_processes(tensors, self.world)
+
+
+@dataclass
+class StepCache:
+    """The work that several quantities of one step read, made by the first that needs it
+    (see the functions that fill it: :func:`mean_gradient_norms` and the others below).
+    Read-only once made.
+
+    Attributes:
+        g_norms: [||g^(1)||, ..., ||g^(K)||] of the mean gradient, in its dtype.
+        g_sq_per_parameter: their squares, float64.
+        g_sq: ||g||^2, their sum.
+        sum_sq: sum_n g_{n,d}^2 flattened over all tracked parameters.
+        params_copy: a copy of theta_t (see :meth:`StepData.params_copy`).
+        curvature_diagonals: the curvature diagonals computed at this step, keyed by the
+            settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
+    """
+
+    g_norms: Tensor | None = None
+    g_sq_per_parameter: Tensor | None = None
+    g_sq: Tensor | None = None
+    sum_sq: Tensor | None = None
+    params_copy: list[Tensor] | None = None
+    curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,21 +149,7 @@ class StepData:
             (Alpha projects them onto theta_{t+1} - theta_t once it is known). Keeping it
             keeps the step's captured layer inputs and output gradients alive: drop it as soon
             as it is used.
-        curvature_diagonals: the curvature diagonals computed at this step, keyed by the
-            settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
-        shared: work that several quantities of the step read (||g||^2, the flattened second
-            moments), keyed by what it is, made by the first that needs it.
-        world: the processes the batch is split over (:data:`~avionics.distributed.SINGLE`
-            without data parallelism).
-        batch_sizes: N_r of every process, in rank order (``(N,)`` with one process).
-        ranks: under data parallelism, per process (N_r, its own loss L_r as reduced, the
-            seconds of its step outside the collectives), [W, 3] float64, from the step's
-            agreement (:class:`~avionics.step.parallel.Agreement`); None with one process.
         totals: per quantity name, its :meth:`Quantity.sums` added over the processes.
-        local_grads: under data parallelism, this process's gradient of its own loss (before
-            any all-reduce), per tracked parameter; None with one process.
-        sharded: whether each process holds only a shard of each parameter (FSDP):
-            ``params`` and ``grads`` are then this process's shards.
         micro_batches: a step accumulated over k > 1 micro-batches (``cockpit(step, info,
             micro_batch=i, micro_batches=k)``): per micro-batch its captured calls with their
             graph, its per-sample losses with theirs and its share of the step's samples
@@ -109,6 +157,8 @@ class StepData:
             backpropagate through them; None for one batch. Everything else in the step's
             data is of all its micro-batches together, as one batch (``captured`` too, without
             a graph of its own), with ``info`` the last micro-batch's.
+        parallel: the processes the batch is split over (:class:`Parallel`).
+        cache: the work several quantities read (:class:`StepCache`).
     """
 
     step: int
@@ -127,16 +177,10 @@ class StepData:
     active: tuple[Quantity, ...] = ()
     statistics: Statistics | None = None
     captured: CapturedStep | None = None
-    curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
-    shared: dict[str, Any] = field(default_factory=dict)
-    world: World = SINGLE
-    batch_sizes: tuple[int, ...] = ()
-    ranks: Tensor | None = None
     totals: dict[str, dict[str, Tensor]] = field(default_factory=dict)
-    local_grads: list[Tensor] | None = None
-    sharded: bool = False
     micro_batches: list[MicroBatch] | None = None
-    _params_copy: list[Tensor] | None = field(default=None, init=False, repr=False)
+    parallel: Parallel = field(default_factory=Parallel)
+    cache: StepCache = field(default_factory=StepCache)
 
     @property
     def optimizer(self):
@@ -146,15 +190,11 @@ class StepData:
     def share(self) -> float:
         """w_r: this process's loss times w_r, summed over the processes, is the global loss
         (N_r / N for a mean, 1 for a sum). Products of the step's graph (Hessian-vector
-        products) are global as :meth:`sum_over_processes` of w_r times the local ones."""
-        if self.world.size == 1 or self.reduction == "sum":
+        products) are global as :meth:`Parallel.sum` of w_r times the local ones."""
+        world = self.parallel.world
+        if world.size == 1 or self.reduction == "sum":
             return 1.0
-        return self.batch_sizes[self.world.rank] / self.batch_size
-
-    def sum_over_processes(self, tensors: list[Tensor]) -> list[Tensor]:
-        """``tensors`` added over the processes (one collective; the tensors themselves with
-        one process). Every process must call it, in the same order."""
-        return sum_over_processes(tensors, self.world)
+        return self.parallel.batch_sizes[world.rank] / self.batch_size
 
     def params_copy(self) -> list[Tensor]:
         """A copy of theta_t (``params`` before the update), made once per step and shared.
@@ -163,9 +203,9 @@ class StepData:
         the same tensors at the same step: one copy serves them all, so a step keeps one
         model-sized copy, not one per quantity. Nobody may modify it in place.
         """
-        if self._params_copy is None:
-            self._params_copy = [p.detach().clone() for p in self.params]
-        return self._params_copy
+        if self.cache.params_copy is None:
+            self.cache.params_copy = [p.detach().clone() for p in self.params]
+        return self.cache.params_copy
 
 
 class Quantity:
@@ -186,6 +226,9 @@ class Quantity:
 
     info_keys: tuple[str, ...] = ()
     create_graph: bool = False
+    # True where compute adds this process's per-sample terms over the processes itself
+    # (with data.parallel.sum) instead of through sums: see check_data_parallel
+    adds_over_processes: bool = False
     output: Output = SCALAR
     # The output of the value read per layer (``per_layer=True``, see :meth:`layered`):
     # ``per_parameter("sum")`` for a sum over the tracked parameters, ``PER_LAYER`` for a ratio
@@ -337,9 +380,9 @@ class TwoStepQuantity(Quantity):
 def mean_gradient_sq_norm(data: StepData) -> Tensor:
     """||g||^2 of the mean gradient, float64, computed once per step and shared: the sum of
     :func:`mean_gradient_sq_norms`."""
-    if "g_sq" not in data.shared:
-        data.shared["g_sq"] = mean_gradient_sq_norms(data).sum()
-    return data.shared["g_sq"]
+    if data.cache.g_sq is None:
+        data.cache.g_sq = mean_gradient_sq_norms(data).sum()
+    return data.cache.g_sq
 
 
 def mean_gradient_sq_norms(data: StepData) -> Tensor:
@@ -347,20 +390,20 @@ def mean_gradient_sq_norms(data: StepData) -> Tensor:
     computed once per step and shared (their sum is :func:`mean_gradient_sq_norm`); of the
     whole parameters when ``data`` says they are sharded (sum_r ||shard_r||^2, one
     collective of K numbers)."""
-    if "g_sq_per_parameter" not in data.shared:
+    if data.cache.g_sq_per_parameter is None:
         squares = mean_gradient_norms(data).double().square()
-        if data.sharded:
-            (squares,) = data.sum_over_processes([squares])
-        data.shared["g_sq_per_parameter"] = squares
-    return data.shared["g_sq_per_parameter"]
+        if data.parallel.sharded:
+            (squares,) = data.parallel.sum([squares])
+        data.cache.g_sq_per_parameter = squares
+    return data.cache.g_sq_per_parameter
 
 
 def mean_gradient_norms(data: StepData) -> Tensor:
     """[||g^(1)||, ..., ||g^(K)||] of this process's part of the mean gradient, in its dtype,
     computed once per step (one fused kernel for all parameters) and shared."""
-    if "g_norms" not in data.shared:
-        data.shared["g_norms"] = torch.stack(torch._foreach_norm(data.mean_grad))
-    return data.shared["g_norms"]
+    if data.cache.g_norms is None:
+        data.cache.g_norms = torch.stack(torch._foreach_norm(data.mean_grad))
+    return data.cache.g_norms
 
 
 def per_parameter_rows(tensors: list[Tensor]) -> Tensor:
@@ -401,6 +444,48 @@ def check_per_layer(quantity: type, per_layer) -> None:
         )
 
 
+def user_stacklevel() -> int:
+    """``warnings.warn``'s stacklevel, for a warning of the function that calls this one, of
+    the nearest frame outside avionics and :mod:`contextlib` (which runs ``with
+    cockpit(...)``): the user's line, however deep in the step the hook that warns runs."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (
+        frame.f_code.co_filename.startswith(_PACKAGE)
+        or frame.f_code.co_filename == contextlib.__file__
+    ):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def check_data_parallel(quantities: list[Quantity], world: World) -> None:
+    """Under data parallelism, refuse by name each quantity that reads this process's
+    per-sample statistics (it overrides :meth:`Quantity.request`) without stating its sums
+    over the samples (:meth:`Quantity.sums`) or adding over the processes itself
+    (``adds_over_processes``): its :meth:`~Quantity.compute` would see this process's samples
+    only, and its value would silently be per process."""
+    if world.size == 1:
+        return
+    per_process = [
+        q.name
+        for q in quantities
+        if type(q).request is not Quantity.request
+        and type(q).sums is Quantity.sums
+        and not q.adds_over_processes
+    ]
+    if per_process:
+        names = ", ".join(per_process)
+        raise TypeError(
+            f"{names} read this process's per-sample statistics (a request) but state no sums "
+            f"over the samples: under data parallelism ({world.size} processes) compute would "
+            "see this process's share of the batch only, and the value would differ between "
+            "the processes. Return the sums over this process's samples from sums(data) (e.g. "
+            '{"sq_norms": ...}) and read them added over the processes from '
+            f'data.totals[{per_process[0]!r}][...] in compute (README, "Your own '
+            'instrument"); a compute that adds them over the processes itself '
+            "(data.parallel.sum) sets adds_over_processes = True on its class."
+        )
+
+
 def _subclasses(cls: type) -> list[type]:
     """Every subclass of ``cls``, recursively."""
     found = []
@@ -413,9 +498,9 @@ def flat_sum_sq(data: StepData) -> Tensor:
     """sum_n g_{n,d}^2 of this process's samples, flattened over all tracked parameters: one
     tensor per step shared by the quantities that read it (returned as their sum of that
     name, it is added over the processes once). Read-only."""
-    if "sum_sq" not in data.shared:
-        data.shared["sum_sq"] = torch.cat([t.reshape(-1) for t in data.statistics.sum_sq])
-    return data.shared["sum_sq"]
+    if data.cache.sum_sq is None:
+        data.cache.sum_sq = torch.cat([t.reshape(-1) for t in data.statistics.sum_sq])
+    return data.cache.sum_sq
 
 
 def global_norm_squared(tensors: list[Tensor]) -> Tensor:
@@ -441,7 +526,7 @@ def per_parameter_distances(
 def whole_norms(norms: Tensor, data: StepData | None) -> Tensor:
     """The norms of whole parameters from their shards' (FSDP): sqrt(sum_r ||shard_r||^2),
     one collective; ``norms`` as they are otherwise."""
-    if data is None or not data.sharded:
+    if data is None or not data.parallel.sharded:
         return norms
-    (squares,) = data.sum_over_processes([norms.double().square()])
+    (squares,) = data.parallel.sum([norms.double().square()])
     return squares.sqrt().to(norms.dtype)

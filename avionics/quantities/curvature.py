@@ -55,6 +55,7 @@ from avionics.quantities.base import (
     flat_sum_sq,
     per_parameter_rows,
     per_parameter_sums,
+    user_stacklevel,
 )
 from avionics.quantities.outputs import PER_LAYER, per_parameter
 from avionics.schedules import Schedule
@@ -204,7 +205,7 @@ def choose_variant(
 
 class _Curvature(Quantity):
     """Shared: the curvature diagonal h of the mean loss over the batch (also for a
-    sum-reduced loss), computed once per step.
+    sum-reduced loss), computed once per step (global: see :meth:`_global`).
 
     Args:
         schedule: the steps to track (default every step).
@@ -222,6 +223,7 @@ class _Curvature(Quantity):
 
     info_keys = PER_SAMPLE_KEYS
     create_graph = True
+    adds_over_processes = True  # the diagonal of the global batch, in _global
     eps = 1e-7
 
     def __init__(
@@ -294,7 +296,7 @@ class _Curvature(Quantity):
             warnings.warn(
                 f"{self.name}(curvature='auto') computes {self._chosen!r} for this model: {why}. "
                 "Pass curvature= to choose (said once).",
-                stacklevel=4,
+                stacklevel=user_stacklevel(),
             )
         variant = self._chosen or self.curvature
         # the exact Hessian diagonal of a piecewise-linear network is the GGN's where that runs
@@ -348,7 +350,7 @@ class _Curvature(Quantity):
         the same settings reads it (among ``data.active``, or ``diagonal``), {"h": the
         diagonal}: computed once per step and shared."""
         key = self._key(data)
-        entry = data.curvature_diagonals.get(key)
+        entry = data.cache.curvature_diagonals.get(key)
         if entry is None or (diagonal and "h" not in entry):
             diagonal = diagonal or any(
                 isinstance(q, _Curvature) and q.needs_diagonal and q._key(data) == key
@@ -360,16 +362,16 @@ class _Curvature(Quantity):
             else:  # the GGN's sums alone are cheaper (squared norms instead of squares)
                 (sums,) = self._global(data, [torch.stack(self._diagonal(data, traces=True))])
                 entry = {"sums": sums}
-            data.curvature_diagonals[key] = entry
+            data.cache.curvature_diagonals[key] = entry
         return entry
 
     def _global(self, data: StepData, local: list[Tensor]) -> list[Tensor]:
         """The global batch's diagonal (or sums) from this process's, of the mean over its
         N_r samples: sum_r (N_r / N) h_r, in one collective."""
-        if data.world.size == 1:
+        if data.parallel.world.size == 1:
             return local
-        weight = data.batch_sizes[data.world.rank] / data.batch_size
-        return data.sum_over_processes([t * weight for t in local])
+        weight = data.parallel.batch_sizes[data.parallel.world.rank] / data.batch_size
+        return data.parallel.sum([t * weight for t in local])
 
     def diagonal(self, data: StepData) -> list[Tensor]:
         """The curvature diagonal h of the mean loss over the batch, one tensor per

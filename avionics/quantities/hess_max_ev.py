@@ -220,11 +220,11 @@ class _HessianProduct:
                 raise RuntimeError(NO_SECOND_DERIVATIVE.format(error=error)) from error
             raise
         data = self.data
-        if data is None or data.world.size == 1:
+        if data is None or data.parallel.world.size == 1:
             return products
         # the global loss's H v: sum_r w_r H_r v, one all-reduce per product
         local = [
             p * data.share if p is not None else torch.zeros_like(leaf)
             for p, leaf in zip(products, self.leaves, strict=True)
         ]
-        return data.sum_over_processes(local)
+        return data.parallel.sum(local)

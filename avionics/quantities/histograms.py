@@ -333,7 +333,7 @@ def _slots_of_max(grad_max: Tensor | None, data: StepData) -> Tensor:
         mine = torch.zeros((), dtype=torch.float64, device=data.params[0].device)
     else:
         mine = grad_max.double()
-    return data.world.slots(mine.reshape(()))
+    return data.parallel.world.slots(mine.reshape(()))
 
 
 def _adapted(name: str, adapt: _AbsMax, grad_max, data: StepData, current) -> tuple:

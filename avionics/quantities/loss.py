@@ -65,8 +65,8 @@ class LossOutliers(Quantity):
         """This process's losses at their place in the global batch, zeros elsewhere: added
         over the processes, the concatenation of the batches."""
         losses = data.individual_losses.detach().reshape(-1).double()
-        sizes = data.batch_sizes or (len(losses),)
-        offset = sum(sizes[: data.world.rank])
+        sizes = data.parallel.batch_sizes or (len(losses),)
+        offset = sum(sizes[: data.parallel.world.rank])
         placed = losses.new_zeros(sum(sizes))
         placed[offset : offset + len(losses)] = losses
         return {"losses": placed}

@@ -116,14 +116,15 @@ class _NoiseScaleEstimate(Quantity):
         also {"per_parameter": those of each tracked parameter}."""
         if not self.per_process:
             terms = per_parameter_rows(data.statistics.sq_norms).sum(1)
-        elif data.local_grads is None:
+        elif data.parallel.local_grads is None:
             terms = torch.full(
                 (len(data.params),), math.nan, dtype=torch.float64, device=data.params[0].device
             )
         else:
-            terms = torch.stack([global_norm_squared([g]).double() for g in data.local_grads])
+            local_grads, world = data.parallel.local_grads, data.parallel.world
+            terms = torch.stack([global_norm_squared([g]).double() for g in local_grads])
             if data.reduction == "sum":  # this process's gradient of its sum: N_r g_r
-                terms = terms / data.batch_sizes[data.world.rank] ** 2
+                terms = terms / data.parallel.batch_sizes[world.rank] ** 2
         if self.per_layer:
             return {SQ_NORMS: terms.sum(), PER_PARAMETER: terms}
         return {SQ_NORMS: terms.sum()}
@@ -135,10 +136,10 @@ class _NoiseScaleEstimate(Quantity):
         n = data.batch_size
         big = mean_gradient_sq_norm(data) if key == SQ_NORMS else mean_gradient_sq_norms(data)
         if self.per_process:
-            sizes, processes = set(data.batch_sizes), data.world.size
-            if processes > 1 and len(sizes) == 1:
+            sizes, processes = data.parallel.batch_sizes, data.parallel.world.size
+            if processes > 1 and len(set(sizes)) == 1:
                 return signal_and_noise(total / processes, n // processes, big, n)
-            why = "one process" if processes == 1 else f"unequal batches {data.batch_sizes}"
+            why = "one process" if processes == 1 else f"unequal batches {sizes}"
         elif n >= 2:
             return signal_and_noise(total / n, 1, big, n)
         else:

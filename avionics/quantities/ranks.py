@@ -37,18 +37,18 @@ class Ranks(Quantity):
     def sums(self, data: StepData):
         """Every process's ||g_r||^2 in its own slot (the slots summed over the processes
         hold all of them)."""
-        own = data.local_grads if data.local_grads is not None else data.grads
+        own = data.parallel.local_grads if data.parallel.local_grads is not None else data.grads
         square = sum(g.detach().to(torch.float64).square().sum() for g in own)
-        if data.reduction == "sum" and data.batch_sizes[data.world.rank]:
-            square = square / data.batch_sizes[data.world.rank] ** 2
-        return {"squared_norms": data.world.slots(square.reshape(()))}
+        if data.reduction == "sum" and data.parallel.batch_sizes[data.parallel.world.rank]:
+            square = square / data.parallel.batch_sizes[data.parallel.world.rank] ** 2
+        return {"squared_norms": data.parallel.world.slots(square.reshape(()))}
 
     def compute(self, data: StepData):
         norms = data.totals[self.name]["squared_norms"].sqrt().tolist()
-        if data.ranks is None:  # one process
+        if data.parallel.ranks is None:  # one process
             value = dict(zip(FIELDS, ([float(data.loss)], norms, [data.batch_size], [None])))
             return {data.step: value}
-        sizes, losses, seconds = data.ranks.unbind(1)
+        sizes, losses, seconds = data.parallel.ranks.unbind(1)
         value = {
             "loss": losses.tolist(),
             "grad_norm": norms,

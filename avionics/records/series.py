@@ -1,5 +1,7 @@
-"""Per-step series of a run: one float per step for every scalar quantity or metric, and
-layers x steps arrays of the per-parameter ones.
+"""Per-step series of a run: one float per step for every scalar quantity or metric
+(:func:`series`), and layers x steps arrays of the per-parameter ones
+(:func:`parameter_series`; not to be confused with
+:func:`avionics.records.outputs.per_parameter`, which declares such an output).
 
 Each value is read through its quantity's declared output (:mod:`avionics.records.outputs`):
 per-parameter values reduce to their global value as declared (the root-sum-of-squares of
@@ -95,7 +97,7 @@ def layered_names(run) -> list[str]:
     )
 
 
-def per_parameter(run, name: str) -> LayerSeries:
+def parameter_series(run, name: str) -> LayerSeries:
     """``name``'s number of every tracked parameter at every step that has one per parameter
     (labels: the parameter names of the log's metadata, else ``parameter i``). Empty when
     ``name`` has no per-parameter values; steps whose count of parameters differs from the
@@ -127,7 +129,7 @@ def per_module(run, name: str) -> LayerSeries:
     ``name`` has no per-parameter values.
 
     Raises:
-        ValueError: ``name`` is a per-layer ratio (read it with :func:`per_parameter`), or the
+        ValueError: ``name`` is a per-layer ratio (read it with :func:`parameter_series`), or the
             log does not name as many parameters as ``name`` has numbers.
     """
     output = run.output(name)
@@ -135,9 +137,9 @@ def per_module(run, name: str) -> LayerSeries:
         raise ValueError(
             f"per_module(run, {name!r}): {name} is a ratio of sums over each parameter, which "
             "do not combine into a module's ratio; read it per parameter with "
-            f"per_parameter(run, {name!r})."
+            f"parameter_series(run, {name!r})."
         )
-    layers = per_parameter(run, name)
+    layers = parameter_series(run, name)
     if not layers.labels:
         return layers
     if len(layers.labels) != len(run.parameter_names):
@@ -145,7 +147,7 @@ def per_module(run, name: str) -> LayerSeries:
             f"per_module(run, {name!r}): the log names {len(run.parameter_names)} parameters "
             f"but {name} has {len(layers.labels)} numbers per step, so its parameters cannot be "
             "grouped by module; read it per parameter with "
-            f"per_parameter(run, {name!r}) (a log written by a Cockpit names its parameters)."
+            f"parameter_series(run, {name!r}) (a log written by a Cockpit names its parameters)."
         )
     modules = list(dict.fromkeys(module_of(p) for p in layers.labels))
     members = {m: [i for i, p in enumerate(layers.labels) if module_of(p) == m] for m in modules}

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
-from avionics.persample.capture import ModuleCall
+from avionics.persample.calls import ModuleCall
 from avionics.quantities.base import MicroBatch
 from avionics.step.precision import check_inputs_unchanged, check_rtol, detached_losses, in_float32
 from avionics.step.values import Combined, Part

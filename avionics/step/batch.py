@@ -163,10 +163,6 @@ class OneProcess:
         scale: :attr:`Combined.gradients_finite`)."""
         return all_finite(gradients)
 
-    def statistics(self, captured, request, directions: dict):
-        """The step's per-sample statistics."""
-        return captured.statistics(request, directions)
-
     def add(self, sums: dict) -> dict:
         """The quantities' sums (nothing to add)."""
         return sums

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any
 
+from avionics.persample.request import MEAN_GRADIENT
 from avionics.persample.step import factorable
-from avionics.quantities.base import StepData
+from avionics.quantities.base import Parallel, StepData
 from avionics.step.values import Batch, Combined, Entry
 
 
@@ -53,12 +54,14 @@ def compute(
         tracked=params,
         model=model,
         active=tuple(active),
-        world=world,
-        batch_sizes=batch.sizes,
-        ranks=batch.ranks,
-        sharded=processes.sharded,
         micro_batches=combined.micro_batches,
-        local_grads=processes.local_gradients(combined),
+        parallel=Parallel(
+            world=world,
+            batch_sizes=batch.sizes,
+            local_grads=processes.local_gradients(combined),
+            sharded=processes.sharded,
+            ranks=batch.ranks,
+        ),
     )
     if request:
         data.captured = engine.step(
@@ -68,13 +71,16 @@ def compute(
             gradients=combined.check,
             rtol=combined.check_rtol,
         )
-    directions = {"grad": mean_grad}
+    directions = {MEAN_GRADIENT: mean_grad}
     for q in active:
         directions.update(q.prepare(data))
     values: dict[int, dict[str, Any]] = defaultdict(dict)
     try:
         if request.asks_statistics:
-            data.statistics = processes.statistics(data.captured, request, directions)
+            # the mean gradient is the mean of this process's g_n on one process only
+            data.statistics = data.captured.statistics(
+                request, directions, sample_mean=MEAN_GRADIENT if world.size == 1 else None
+            )
             # keep only the rules that mean_gradient_factors reuses: the others hold
             # scaled copies of the step's output gradients
             data.captured.release_rules(keep=factorable)

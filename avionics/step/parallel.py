@@ -14,14 +14,11 @@ extends it.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from avionics.distributed import World, sum_over_processes
-from avionics.persample import Request, Statistics
-from avionics.persample.request import MEAN_GRADIENT
 from avionics.step.batch import local, zeros_where_none
 from avionics.step.precision import all_finite, unscaled
 from avionics.step.values import Batch, Combined, Entry, Part
@@ -160,22 +157,6 @@ class DataParallel:
         if self.world.size > 1:
             (flag,) = sum_over_processes([flag], self.world)
         return bool(flag == 0)
-
-    def statistics(self, captured, request: Request, directions: dict) -> Statistics:
-        """The step's per-sample statistics. Under data parallelism "grad" is the global
-        batch's mean gradient, not the mean of this process's g_n, which the rules may
-        assume of a direction of that name: it is passed under another."""
-        if self.world.size == 1 or MEAN_GRADIENT not in request.directions:
-            return captured.statistics(request, directions)
-        name = f"{MEAN_GRADIENT} (global)"
-        renamed = {name if d == MEAN_GRADIENT else d: v for d, v in directions.items()}
-        request = replace(
-            request,
-            directions=frozenset(name if d == MEAN_GRADIENT else d for d in request.directions),
-        )
-        statistics = captured.statistics(request, renamed)
-        statistics.projections[MEAN_GRADIENT] = statistics.projections.pop(name)
-        return statistics
 
     def add(self, sums: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
         """The quantities' sums added over the processes, in one packed all-reduce."""

@@ -255,7 +255,13 @@ class ShardedCapturedStep:
     def __getattr__(self, name):
         return getattr(self._captured, name)
 
-    def statistics(self, request, directions: dict, params: list[Tensor] | None = None):
+    def statistics(
+        self,
+        request,
+        directions: dict,
+        params: list[Tensor] | None = None,
+        sample_mean: str | None = None,
+    ):
         engine, contributions = self._captured.engine, self._captured.contributions
         # theta_t (after optimizer.step()) matters only to the rules that read parameters
         params = params if reads_parameters(contributions) else None
@@ -267,7 +273,7 @@ class ShardedCapturedStep:
         wholes = {name: whole[i * count : (i + 1) * count] for i, name in enumerate(names)}
         kept = whole[len(names) * count :] if params is not None else None
         with self._processes.unsharded(engine, contributions, kept):
-            return self._captured.statistics(request, wholes, kept)
+            return self._captured.statistics(request, wholes, kept, sample_mean)
 
 
 def reads_parameters(contributions: list[list[tuple[nn.Module, str]]]) -> bool:

@@ -18,10 +18,10 @@ def engine_statistics(model, X, y, loss_fn, reduction="mean"):
     engine, step, mean_grad, params = models.captured_engine_step(model, X, y, loss_fn, reduction)
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
     other = [torch.randn_like(p) for p in params]
-    stats = step.statistics(request, {"grad": mean_grad, "other": other})
+    stats = step.statistics(request, {"grad": mean_grad, "other": other}, sample_mean="grad")
     # projections alone: tied weights sum the closed forms of their contributions
     only = Request(directions=frozenset({"grad", "other"}))
-    stats.only = step.statistics(only, {"grad": mean_grad, "other": other})
+    stats.only = step.statistics(only, {"grad": mean_grad, "other": other}, sample_mean="grad")
     # one direction (Alpha's requests): a layer may project instead of materialising G_n
     one = Request(directions=frozenset({"other"}))
     stats.one = step.statistics(one, {"other": other})

@@ -50,7 +50,7 @@ def captured_statistics(model, x, y, reduction):
     _, step, mean_grad, params = captured_engine_step(model, x, y, squared_error, reduction)
     other = [torch.randn_like(p) for p in params]
     request = Request(sq_norms=True, sum_sq=True, directions=frozenset({"grad", "other"}))
-    stats = step.statistics(request, {"grad": mean_grad, "other": other})
+    stats = step.statistics(request, {"grad": mean_grad, "other": other}, sample_mean="grad")
     return step, stats, mean_grad, other
 
 

@@ -3,6 +3,7 @@ computes exactly what the variant it chose computes; errors suggest only what wo
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import pytest
@@ -136,3 +137,17 @@ def test_through_a_recurrent_module_each_product_counts_as_a_backward_pass():
     for step in outputs[1]:
         for name in ("HessTrace", "TICDiag"):
             assert outputs[0][step][name] == pytest.approx(outputs[1][step][name], rel=1e-12)
+
+
+def test_the_choice_is_said_at_the_users_with_line():
+    """The warning points at the user's `with cockpit(...)` line, not into the cockpit."""
+    model, X, y = tanh_mlp(8, 3)
+    cockpit = Cockpit(model, [HessTrace()])
+    losses = F.cross_entropy(model(X), y, reduction="none")
+    info = {"loss": losses.mean(), "individual_losses": losses}
+    with pytest.warns(UserWarning, match="curvature='auto'") as said:
+        line = inspect.currentframe().f_lineno + 1
+        with cockpit(0, info=info):
+            losses.mean().backward(create_graph=cockpit.create_graph(0))
+    (warning,) = [w for w in said if "curvature='auto'" in str(w.message)]
+    assert (warning.filename, warning.lineno) == (__file__, line)

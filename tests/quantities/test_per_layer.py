@@ -16,7 +16,7 @@ from torch import nn
 
 from avionics import Cockpit, quantities, read_run
 from avionics.records.export import to_csv
-from avionics.records.series import ROOT, module_of, per_module, per_parameter
+from avionics.records.series import ROOT, module_of, parameter_series, per_module
 
 RATIOS = ("NormTest", "InnerTest", "OrthoTest", "SimpleNoiseScale", "MeanGSNR", "EarlyStopping")
 SUMS = ("TrueGradSqNorm", "GradCovTrace", "CABS")
@@ -281,7 +281,7 @@ def test_per_module_groups_parameters_with_the_quantity_s_reduction(logged):
             assert by_module.values[i, j] == pytest.approx(expected, rel=1e-12)
 
     traces = per_module(run, "GradCovTrace")
-    layers = per_parameter(run, "GradCovTrace")
+    layers = parameter_series(run, "GradCovTrace")
     assert layers.labels == names
     for i, module in enumerate(modules):
         rows = [k for k, n in enumerate(names) if module_of(n) == module]
@@ -292,10 +292,10 @@ def test_per_module_groups_parameters_with_the_quantity_s_reduction(logged):
 
 def test_a_per_layer_ratio_reads_per_parameter_only(logged):
     run, _, _ = logged
-    tests = per_parameter(run, "NormTest")
+    tests = parameter_series(run, "NormTest")
     assert tests.labels == run.parameter_names
     assert tests.values[:, 1].tolist() == run.steps[1]["NormTest"]["per_parameter"]
-    with pytest.raises(ValueError, match=r"per_module\(run, 'NormTest'\).*per_parameter\(run"):
+    with pytest.raises(ValueError, match=r"per_module\(run, 'NormTest'\).*parameter_series\(run"):
         per_module(run, "NormTest")
 
 

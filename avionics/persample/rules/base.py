@@ -19,7 +19,7 @@ from avionics.persample.precision import computing_dtype
 from avionics.persample.request import Accumulator, Request
 
 if TYPE_CHECKING:
-    from avionics.persample.capture import ModuleCall
+    from avionics.persample.calls import ModuleCall
 
 # Bytes one materialised chunk of per-sample gradients may take.
 CHUNK_BYTES = 8 * 2**20

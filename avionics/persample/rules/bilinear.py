@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from avionics.persample.request import MEAN_GRADIENT, Accumulator, OuterProducts, Request
+from avionics.persample.request import Accumulator, OuterProducts, Request
 from avionics.persample.rules.base import Rule, chunk_size
 from avionics.persample.rules.factored import FactoredDirection, dense
 from avionics.persample.rules.kernels import LayerKernels, Plan, choose, timing_samples
@@ -121,7 +121,7 @@ class Bilinear:
         d = self.delta
         out: dict = {}
         if request.sq_norms:
-            if MEAN_GRADIENT in directions and self._mean_projection_by_gram():
+            if request.sample_mean in directions and self._mean_projection_by_gram():
                 out["sq_norms"] = self._gram().diagonal()
             else:
                 d_sq = torch.linalg.vector_norm(d, dim=-1).square()
@@ -135,7 +135,7 @@ class Bilinear:
                         out["projections"][name] = v.project(d[:, 0, 0], self.x[:, 0, 0])
                         continue
                     v = v.dense()
-                if name == MEAN_GRADIENT and self._mean_projection_by_gram():
+                if name == request.sample_mean and self._mean_projection_by_gram():
                     out["projections"][name] = self._gram().mean(1)
                 else:
                     out["projections"][name] = self._unfolded_projection(v)

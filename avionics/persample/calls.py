@@ -1,0 +1,86 @@
+"""One captured call of a module: what the capture keeps of it and the rules read.
+
+The bottom of the per-sample engine's data: the capture (:mod:`avionics.persample.capture`)
+makes these, the rules (:mod:`avionics.persample.rules`) and the routing
+(:mod:`avionics.persample.routing`) read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
+
+
+class Shape:
+    """What is kept of an output once its gradient is hooked: shape, dtype, device."""
+
+    def __init__(self, t: Tensor):
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+
+@dataclass
+class ModuleCall:
+    """One call of a watched module: its inputs, and (after backward) its output gradients.
+
+    ``batch_axis`` is the axis of the batch in the module's tensors (1 below a module with
+    ``batch_first=False``, else 0). ``grad_outputs`` has one entry per tensor in the flattened
+    output, None where no gradient arrived. ``summaries`` (root calls only): what the
+    request's output visitors returned for the module calls of this forward, as ``(visitor,
+    module, summary)`` in call order.
+    """
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+    outputs: list[Shape]
+    nodes: list
+    node_outputs: list[int]
+    batch_axis: int
+    inputs: list[Tensor]
+    input_versions: list[int]
+    grad_outputs: list[Tensor | None] = field(default_factory=list)
+    summaries: list[tuple] = field(default_factory=list)
+    # per output: its per-sample gradient where the output is shared by all samples and
+    # broadcast into the batch by additions (see avionics.persample.rules.broadcast)
+    broadcast_grad_outputs: list[Tensor | None] = field(default_factory=list)
+    # (device, random generator state) as the call began, for a module whose own forward
+    # draws random numbers that a rule re-runs (avionics.persample.rules.randomness)
+    rng_state: tuple | None = None
+    # (root calls only) id(parameter) -> per-sample gradients [N, *shape] of a parameter used
+    # directly in a forward and broadcast into the batch by additions (None: not broadcast)
+    shared_parameter_gradients: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.grad_outputs = [None] * len(self.outputs)
+
+    def carries_batch(self, n: int) -> bool:
+        """Whether the first input tensor has the ``n`` samples on the batch axis (a
+        PackedSequence: as many sequences as ``n``)."""
+        if self.args and isinstance(self.args[0], PackedSequence):
+            return int(self.args[0].batch_sizes[0]) == n
+        if not self.inputs:
+            return False
+        first = self.inputs[0]
+        return first.dim() > self.batch_axis and first.shape[self.batch_axis] == n
+
+    def with_grad_outputs(self, grad_outputs: list[Tensor | None]) -> ModuleCall:
+        """This call with other output gradients (e.g. one backpropagated column of a loss
+        Hessian root instead of the loss gradient)."""
+        call = replace(self, broadcast_grad_outputs=[])  # (__post_init__ resets grad_outputs)
+        call.grad_outputs = grad_outputs
+        return call
+
+    @property
+    def received_gradient(self) -> bool:
+        return any(g is not None for g in self.grad_outputs)
+
+    def check_inputs_unchanged(self, name: str) -> None:
+        for t, version in zip(self.inputs, self.input_versions, strict=True):
+            if t._version != version:
+                raise RuntimeError(
+                    f"The input of module '{name}' was modified in place after the module "
+                    "used it; its per-sample gradients cannot be computed. Replace the in-place "
+                    "operation on that tensor (e.g. `x += y` -> `x = x + y`)."
+                )
