@@ -38,7 +38,9 @@ class Ranks(Quantity):
         """Every process's ||g_r||^2 in its own slot (the slots summed over the processes
         hold all of them)."""
         own = data.parallel.local_grads if data.parallel.local_grads is not None else data.grads
-        square = sum(g.detach().to(torch.float64).square().sum() for g in own)
+        # (the norm accumulates in float64 without a float64 copy of the gradient)
+        norm = torch.linalg.vector_norm
+        square = sum(norm(g.detach(), dtype=torch.float64).square() for g in own)
         if data.reduction == "sum" and data.parallel.batch_sizes[data.parallel.world.rank]:
             square = square / data.parallel.batch_sizes[data.parallel.world.rank] ** 2
         return {"squared_norms": data.parallel.world.slots(square.reshape(()))}
