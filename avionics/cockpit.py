@@ -406,7 +406,6 @@ class Cockpit:
         else:
             batch = self._processes.batch(combined.loss, entry.reduction, combined.n)
         batch = settled(batch, combined)
-        self._processes.check_batch(step, batch)
         skipped = None if batch.finite else f"the loss is {float(batch.loss)}"
         finite = combined.gradients_finite
         if skipped is None and combined.scaled and finite is None:

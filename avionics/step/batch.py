@@ -147,9 +147,6 @@ class OneProcess:
         it (:func:`with_finiteness`)."""
         return Batch(loss, n, (n,), None)
 
-    def check_batch(self, step: int, batch: Batch) -> None:
-        """Nothing to check of one process's batch."""
-
     def gradients(self, combined: Combined, reduction: str, batch: Batch) -> list[Tensor]:
         """The gradient of the loss, per tracked parameter (zeros where none arrived)."""
         return zeros_where_none(combined.gradients, self.params)

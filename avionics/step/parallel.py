@@ -67,9 +67,6 @@ class DataParallel:
             ranks=torch.stack([sizes, losses, sum(r[:, 2] for r in rows)], 1),
         )
 
-    def check_batch(self, step: int, batch: Batch) -> None:
-        """Nothing to check of the processes' batches (unequal ones are the global batch's)."""
-
     def gradients(self, combined: Combined, reduction: str, batch: Batch) -> list[Tensor]:
         """The gradient of the global loss (as reduced), per tracked parameter.
 
