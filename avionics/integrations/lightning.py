@@ -45,7 +45,8 @@ strategy tested (``"ddp_spawn"`` pickles the callback into each process: not tes
 Values go to the cockpit's own sinks (the run log ``log``, ``sinks``) and to the trainer's
 loggers, each at the step it belongs to (two-step values, Alpha and UpdateSize of step t,
 arrive at step t + 1 and are logged at t): scalars with ``logger.log_metrics({"avionics/Name":
-x, "avionics/Name/<parameter>": x_k, ...}, step=t)``, histograms to a ``TensorBoardLogger`` as
+x, "avionics/Name/<parameter>": x_k, ...}, step=t)`` (``"avionics/Name_per_parameter/<parameter>"``
+for an ``MLFlowLogger``: :class:`LoggerSink`), histograms to a ``TensorBoardLogger`` as
 TensorBoard histograms (a 2d one as its two marginals, ``.../gradient`` and
 ``.../parameter``, as :class:`~avionics.records.TensorBoardWriter` does).
 """
@@ -56,14 +57,13 @@ from collections.abc import Callable, Mapping
 from functools import wraps
 
 import lightning.pytorch as pl
-import numpy as np
-from lightning.pytorch.loggers import TensorBoardLogger
+from lightning.pytorch.loggers import MLFlowLogger, TensorBoardLogger
 
 from avionics.cockpit import Cockpit
 from avionics.quantities.base import PER_SAMPLE_LOSSES
-from avionics.quantities.outputs import Output
-from avionics.records.run import output_of
+from avionics.records.mlflow_sink import PER_PARAMETER
 from avionics.records.tensorboard import add_histogram
+from avionics.records.tracking import Tracking
 
 
 class CockpitCallback(pl.Callback):
@@ -275,53 +275,33 @@ def micro_batch(trainer: pl.Trainer) -> dict:
 
 class LoggerSink:
     """A :class:`~avionics.records.sink.Sink` that writes a cockpit's values to Lightning
-    loggers: scalars (and per-parameter values, under ``Name/<parameter name>``, the name
-    after ``parameter_prefix``) with ``log_metrics(..., step=step)``, histograms to the
-    ``TensorBoardLogger`` among them."""
+    loggers with ``log_metrics(..., step=step)``, read as the trackers' sinks read them
+    (:class:`~avionics.records.tracking.Tracking`): each value's one number under its name,
+    per-parameter values under ``Name/<parameter name>`` (the name after ``parameter_prefix``;
+    ``Name_per_parameter/<parameter name>`` for an ``MLFlowLogger``, whose file store keeps a
+    metric in a file of its name, so that ``Name`` and ``Name/...`` cannot both exist there),
+    and histograms to the ``TensorBoardLogger`` among them (a 2d one as its marginals)."""
 
     def __init__(self, loggers, prefix: str = "avionics/", parameter_prefix: str = ""):
         self.loggers, self.prefix = list(loggers), prefix
         self.parameter_prefix = parameter_prefix
-        self.outputs: dict[str, Output] = {}
-        self.parameters: list[str] = []
+        self._tracking = Tracking()
 
     def update_metadata(self, metadata: dict) -> None:
-        self.outputs.update(
-            {name: Output.from_description(d) for name, d in metadata.get("outputs", {}).items()}
-        )
-        names = metadata.get("parameters")
-        if names is not None:
-            self.parameters = [self.parameter_prefix + name for name in names]
+        self._tracking.update_metadata(metadata)
 
     def write(self, step: int, values: dict) -> None:
-        metrics = {}
-        for name, value in values.items():
-            output = output_of(name, self.outputs, value)
-            scalar = output.scalar(value)
-            if scalar is not None:
-                metrics[self.prefix + name] = scalar
-                for parameter, v in zip(self.parameters, output.parameter_values(value) or ()):
-                    metrics[f"{self.prefix}{name}/{parameter}"] = v
-            elif output.histogram and isinstance(value, dict):
-                self._histograms(name, output, value, step)
-        if metrics:
-            for logger in self.loggers:
-                logger.log_metrics(metrics, step=step)
-
-    def _histograms(self, name: str, output: Output, value: dict, step: int) -> None:
-        """A 1d histogram as it is; a 2d one as its marginals over each axis."""
-        if output.kind == "histogram_1d":
-            marginals = {name: (value["hist"], value["edges"])}
-        else:
-            hist = np.asarray(value["hist"], dtype=np.float64)
-            xedges, yedges = value["edges"]
-            marginals = {
-                f"{name}/gradient": (hist.sum(axis=1), xedges),
-                f"{name}/parameter": (hist.sum(axis=0), yedges),
-            }
+        tracked = self._tracking.read(values)
         for logger in self.loggers:
+            separator = PER_PARAMETER + "/" if isinstance(logger, MLFlowLogger) else "/"
+            metrics = {self.prefix + name: v for name, v in tracked.scalars.items()}
+            for name, by_parameter in tracked.parameters.items():
+                head = f"{self.prefix}{name}{separator}{self.parameter_prefix}"
+                metrics.update({head + parameter: v for parameter, v in by_parameter.items()})
+            if metrics:
+                logger.log_metrics(metrics, step=step)
             if isinstance(logger, TensorBoardLogger):
-                for tag, (counts, edges) in marginals.items():
+                for tag, (counts, edges) in tracked.histograms.items():
                     add_histogram(logger.experiment, self.prefix + tag, counts, edges, step)
 
     def close(self) -> None:

@@ -255,6 +255,33 @@ def test_the_tensorboard_logger_gets_scalars_at_their_steps_and_histograms(tmp_p
     assert list(counts) == output[1]["GradHist1d"]["hist"]
 
 
+def test_the_mlflow_logger_gets_scalars_and_per_parameter_values(tmp_path, monkeypatch):
+    """MLflow's file store keeps a metric in a file of its name: the per-parameter values
+    go under ``Name_per_parameter/...`` so that ``Name`` and they can both be stored."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = (tmp_path / "mlruns").as_uri()
+    data, net = make_data(), make_net()
+    callback = CockpitCallback([Loss(), GradNorm(), GradHist1d()])
+    logger = pl.loggers.MLFlowLogger(experiment_name="lightning", tracking_uri=uri)
+    fit(Classifier(net), callback, tmp_path, data, logger=logger)
+    output = to_python(dict(callback.cockpit.get_output()))
+    client = MlflowClient(tracking_uri=uri)
+
+    def series(key):
+        return {m.step: m.value for m in client.get_metric_history(logger.run_id, key)}
+
+    assert series("avionics/Loss") == pytest.approx({s: output[s]["Loss"] for s in output})
+    norms = series("avionics/GradNorm")  # the whole gradient's norm
+    total = {s: math.sqrt(sum(v * v for v in output[s]["GradNorm"])) for s in output}
+    assert norms == pytest.approx(total, rel=1e-6)
+    for i, (name, _) in enumerate(net.named_parameters()):
+        values = series(f"avionics/GradNorm_per_parameter/net.{name}")
+        assert values == pytest.approx({s: output[s]["GradNorm"][i] for s in output}, rel=1e-6)
+
+
 def test_accumulated_batches_equal_one_batch_of_all_their_samples(tmp_path):
     """accumulate_grad_batches=2 over 5 batches: Lightning backpropagates loss / 2 of each
     half, and steps after the fifth batch alone; each step's values are those of one batch of
