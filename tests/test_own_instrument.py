@@ -92,7 +92,8 @@ def test_the_example_shows_up_in_the_exports_and_the_dashboard(example, tmp_path
 
     to_tensorboard(run, tmp_path / "tb")
     events = EventAccumulator(str(tmp_path / "tb"), size_guidance={"scalars": 0}).Reload()
-    assert events.Scalars("LayerNoiseScale/param_1")[4].value == pytest.approx(scales[1])
+    second = run.parameter_names[1]  # named as in the model, as in the CSV
+    assert events.Scalars(f"LayerNoiseScale/{second}")[4].value == pytest.approx(scales[1])
 
     from avionics.dashboard import plot_secondary
 

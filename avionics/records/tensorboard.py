@@ -1,10 +1,12 @@
 """TensorBoard sink: scalars and histograms of a run as TensorBoard event files.
 
 Values are read through their quantity's declared output (:mod:`avionics.records.outputs`):
-every value with a scalar becomes a scalar under its name; per-parameter values also get
-``Name/param_<i>``. A 1d histogram becomes a histogram; a 2d one becomes its two marginal
-histograms, ``Name/gradient`` and ``Name/parameter`` (axis 0, axis 1). Needs the
-``tensorboard`` package (the ``tensorboard`` extra).
+read as the trackers' sinks read them (:class:`~avionics.records.tracking.Tracking`): every
+value with a scalar becomes a scalar under its name; per-parameter values also get
+``Name/<parameter name>`` (``Name/param_<i>`` where the metadata names no parameters). A 1d
+histogram becomes a histogram; a 2d one becomes its two marginal histograms,
+``Name/gradient`` and ``Name/parameter`` (axis 0, axis 1). Needs the ``tensorboard``
+package (the ``tensorboard`` extra).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 from tqdm import tqdm
 
 from avionics.records.outputs import Output
-from avionics.records.run import Run, output_of
+from avionics.records.run import Run
+from avionics.records.tracking import Tracking
 
 
 def _summary_writer(logdir: str):
@@ -38,32 +41,25 @@ class TensorBoardWriter:
 
     def __init__(self, logdir: str | os.PathLike, outputs: dict[str, Output] | None = None):
         self.logdir = str(logdir)
-        self.outputs = dict(outputs or {})
+        self._tracking = Tracking()
+        self._tracking.outputs.update(outputs or {})
         self._writer = _summary_writer(self.logdir)
 
     def update_metadata(self, metadata: dict) -> None:
-        """Take the declared outputs of the run's quantities (the rest of the metadata has no
-        place in TensorBoard)."""
-        self.outputs.update(
-            {name: Output.from_description(d) for name, d in metadata.get("outputs", {}).items()}
-        )
+        """Take the declared outputs of the run's quantities and its parameters' names (the
+        rest of the metadata has no place in TensorBoard)."""
+        self._tracking.update_metadata(metadata)
 
     def write(self, step: int, values: dict) -> None:
         """Add the scalars and histograms among ``values`` at ``step``, and flush."""
-        for name, value in values.items():
-            output = output_of(name, self.outputs, value)
-            scalar = output.scalar(value)
-            if scalar is not None:
-                self._writer.add_scalar(name, scalar, global_step=step)
-                for i, v in enumerate(output.parameter_values(value) or []):
-                    self._writer.add_scalar(f"{name}/param_{i}", v, global_step=step)
-            elif output.kind == "histogram_1d" and isinstance(value, dict):
-                add_histogram(self._writer, name, value["hist"], value["edges"], step)
-            elif output.kind == "histogram_2d" and isinstance(value, dict):
-                hist = np.asarray(value["hist"], dtype=np.float64)
-                xedges, yedges = value["edges"]
-                add_histogram(self._writer, f"{name}/gradient", hist.sum(axis=1), xedges, step)
-                add_histogram(self._writer, f"{name}/parameter", hist.sum(axis=0), yedges, step)
+        tracked = self._tracking.read(values)
+        for name, scalar in tracked.scalars.items():
+            self._writer.add_scalar(name, scalar, global_step=step)
+        for name, by_parameter in tracked.parameters.items():
+            for parameter, v in by_parameter.items():
+                self._writer.add_scalar(f"{name}/{parameter}", v, global_step=step)
+        for tag, (counts, edges) in tracked.histograms.items():
+            add_histogram(self._writer, tag, counts, edges, step)
         self._writer.flush()
 
     def close(self) -> None:
@@ -75,6 +71,7 @@ def to_tensorboard(run: Run, logdir: str | os.PathLike, progress: bool = False) 
     """Write a whole run to TensorBoard event files in ``logdir``; return ``logdir``. With
     ``progress``, show a progress bar over the steps."""
     writer = TensorBoardWriter(logdir, run.outputs)
+    writer.update_metadata({"parameters": run.metadata.get("parameters")})
     try:
         items = run.steps.items()
         if progress:
