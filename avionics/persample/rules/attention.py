@@ -127,10 +127,11 @@ class Inside:
     ``nodes[i]`` is the product x W_i^T (+ b_i) of the rows ``pieces[i] * E ..`` of the
     in-projection W (piece 0 of width 3E for self-attention; else q, and k and v apart or
     as one of width 2E); ``grads[i]`` receives the gradient w.r.t. its output, [T*N, width]
-    in (t, n) order, during the backward; ``o``: the out-projection's input, [T*N, E]."""
+    in (t, n) order, during the backward; ``o``: the out-projection's input, [T*N, E];
+    ``inputs``: the call's query, key and value (as the call's arguments hold them)."""
 
-    def __init__(self, nodes: list, pieces: list[int], o: Tensor | None):
-        self.nodes, self.pieces, self.o = nodes, pieces, o
+    def __init__(self, nodes: list, pieces: list[int], o: Tensor | None, inputs: tuple):
+        self.nodes, self.pieces, self.o, self.inputs = nodes, pieces, o, inputs
         self.grads: list[Tensor | None] = [None] * len(nodes)
 
     def hook(self) -> list[RemovableHandle]:
@@ -154,8 +155,7 @@ def inside(module: nn.Module, args: tuple, kwargs: dict, output) -> Inside | Non
     (another torch version's graph, a fused kernel) and the rule re-runs the attention."""
     if not _covered(module) or not isinstance(output, tuple) or output[0].grad_fn is None:
         return None
-    a = _arguments(module, args, kwargs)
-    q, k, v = a["query"], a["key"], a["value"]
+    q, k, v = _query_key_value(args, kwargs)
     expected = 1 if q is k and k is v else 2 if k is v else 3
     w, wo = module.in_proj_weight, module.out_proj.weight
     found: dict[int, object] = {}
@@ -180,7 +180,8 @@ def inside(module: nn.Module, args: tuple, kwargs: dict, output) -> Inside | Non
     if sorted(found) != list(range(expected)) or (o is None and wo.requires_grad):
         return None
     pieces = sorted(found)
-    return Inside([found[p] for p in pieces], pieces, None if o is None else o.detach())
+    o = None if o is None else o.detach()
+    return Inside([found[p] for p in pieces], pieces, o, (q, k, v))
 
 
 def _piece(product, weight: Tensor) -> int | None:
@@ -205,6 +206,14 @@ def _piece(product, weight: Tensor) -> int | None:
     return None
 
 
+def _query_key_value(args: tuple, kwargs: dict) -> tuple:
+    """The query, key and value of a call (positional, as layers pass them, or by name)."""
+    if len(args) >= 3:
+        return args[:3]
+    named = dict(zip(("query", "key", "value"), args)) | kwargs
+    return named["query"], named["key"], named["value"]
+
+
 def _arguments(module: nn.MultiheadAttention, args: tuple, kwargs: dict) -> dict:
     bound = _FORWARD.bind(module, *args, **kwargs)
     bound.apply_defaults()
@@ -226,8 +235,7 @@ def _taken_inside(module: nn.MultiheadAttention, call, n: int) -> bool:
     found = getattr(call, "inside", None)
     if found is None or any(g is None for g in found.grads) or not call.carries_batch(n):
         return False
-    a = _arguments(module, call.args, call.kwargs)
-    inputs = [a[k] for k in ("query", "key", "value")]
+    inputs = found.inputs
     if not all(isinstance(t, Tensor) and t.dim() == 3 for t in inputs):
         return False
     axis = 0 if module.batch_first else 1
@@ -246,8 +254,10 @@ def _inside_factors(
     """(x, delta) of the in-projection and of W_o for one call, [N, groups, T, features],
     from the gradients the backward stored: one group of 3E rows for self-attention, else
     three (q, k, v; zero positions pad the shorter of queries and keys: they add nothing)."""
-    _, xs = _time_major(module, call)
     found = call.inside
+    xs = [computing(x.detach()) for x in found.inputs]
+    if module.batch_first:
+        xs = [x.transpose(0, 1) for x in xs]
     t, n, e = xs[0].shape
     grads = [computing(g) for g in found.grads]
     if len(grads) == 1:
@@ -279,7 +289,9 @@ def _time_major_gradient(module: nn.MultiheadAttention, call) -> Tensor:
 
 
 def _per_sample(ts: list[Tensor]) -> Tensor:
-    """[T, N, F] each -> [N, groups, T, F]."""
+    """[T, N, F] each -> [N, groups, T, F] (one group: a view)."""
+    if len(ts) == 1:
+        return ts[0].movedim(1, 0).unsqueeze(1)
     return torch.stack([t.movedim(1, 0) for t in ts], 1)
 
 
