@@ -51,6 +51,9 @@ class ModuleCall:
     # (root calls only) id(parameter) -> per-sample gradients [N, *shape] of a parameter used
     # directly in a forward and broadcast into the batch by additions (None: not broadcast)
     shared_parameter_gradients: dict = field(default_factory=dict)
+    # what a rule found inside the call's graph at forward time and has the backward fill in
+    # (an attention call's projections: avionics.persample.rules.attention.Inside), or None
+    inside: object | None = None
 
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)
@@ -68,7 +71,9 @@ class ModuleCall:
     def with_grad_outputs(self, grad_outputs: list[Tensor | None]) -> ModuleCall:
         """This call with other output gradients (e.g. one backpropagated column of a loss
         Hessian root instead of the loss gradient)."""
-        call = replace(self, broadcast_grad_outputs=[])  # (__post_init__ resets grad_outputs)
+        # (__post_init__ resets grad_outputs; what the backward filled in inside is not the
+        # column's)
+        call = replace(self, broadcast_grad_outputs=[], inside=None)
         call.grad_outputs = grad_outputs
         return call
 

@@ -28,6 +28,7 @@ from torch.utils.hooks import RemovableHandle
 from avionics.persample.calls import ModuleCall, Shape
 from avionics.persample.precision import LOW_PRECISION
 from avionics.persample.request import Request
+from avionics.persample.rules.attention import inside
 from avionics.persample.rules.broadcast import hook_shared_outputs
 from avionics.persample.rules.randomness import draws_in_forward, state_before
 
@@ -162,6 +163,7 @@ class Capture:
                 inputs=inputs,
                 input_versions=[t._version for t in inputs],
                 rng_state=self._rng_states.pop(module, None),
+                inside=inside(module, args, kwargs, output),
             )
         )
         if module is self.root:
@@ -188,6 +190,8 @@ class Capture:
                     self._gradient_handles.append(
                         grad_fn.register_prehook(_node_storer(store, output_nr))
                     )
+            if call.inside is not None:
+                self._gradient_handles += call.inside.hook()
         self._gradient_handles += hook_shared_outputs(self.root, self.calls, self._owners)
 
     def stop_recording(self) -> None:
