@@ -42,6 +42,8 @@ from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import ColumnSums
+from avionics.persample.rules.broadcast import SharedParameterColumnSums, shared_parameter_uses
+from avionics.persample.rules.generic import GenericRule
 from avionics.persample.step import summed_statistics
 
 # the 16-bit floats of a forward under autocast
@@ -84,23 +86,29 @@ def ggn_diagonal(
     else:
         z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
         columns = (root_of(zk) for zk in z.to(u.device))
-    sums = _ColumnSums(engine, calls, params, n, traces)
+    sums = _ColumnSums(engine, calls, params, n, traces, root)
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
     # the model output is often a captured output too (a final Linear): its column is given
     inner = [i for i, k in enumerate(sums.keys) if k != output_key(root.nodes[0])]
-    edges = [sums.edges[i] for i in inner]
+    # and the root's parameters with closed forms need the gradients at their use nodes
+    edges = [sums.edges[i] for i in inner] + sums.shared_edges
     for column in columns:
         column = column.reshape(moved_shape).movedim(0, root.batch_axis)
         grads = [column] * len(sums.edges)
+        found = ()
         if edges:
             found = torch.autograd.grad(
                 [out_edge], edges, [column], retain_graph=True, allow_unused=True
             )
-            for i, g in zip(inner, found, strict=True):
+            for i, g in zip(inner, found[: len(inner)], strict=True):
                 grads[i] = g
-        # (a forward under autocast backpropagates 16-bit columns: summed in float32)
-        sums.add([g.float() if g is not None and g.dtype in _HALF else g for g in grads])
+        sums.add(_float(grads), _float(found[len(inner) :]))
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
+
+
+def _float(grads) -> list[Tensor | None]:
+    """(a forward under autocast backpropagates 16-bit columns: summed in float32)"""
+    return [g.float() if g is not None and g.dtype in _HALF else g for g in grads]
 
 
 def _root_call(model: nn.Module, calls: dict, n: int):
@@ -131,10 +139,14 @@ class _ColumnSums:
     columns (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`).
     Several (tied weights): g_n is the sum of the contributions' materialised gradients,
     summed in chunks before squaring, as the engine does for them (||a + b||^2 is not
-    ||a||^2 + ||b||^2).
+    ||a||^2 + ||b||^2). Parameters used directly in the forward whose per-sample gradients
+    the captured backward had in closed form (the main step's
+    :class:`~avionics.persample.rules.broadcast.SharedParameterRule`) get them here by the
+    same forms, from the columns' gradients at their use nodes (:attr:`shared_edges`), not
+    by the generic rule's re-run of the whole model.
     """
 
-    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool = False):
+    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool, root):
         self.engine, self.calls, self.params = engine, calls, params
         self.n, self.traces = n, traces
         keyed: dict = {}
@@ -157,12 +169,38 @@ class _ColumnSums:
             for call in calls[module]:
                 call.check_inputs_unchanged(engine.module_name(module))
         self.sums = {}
+        shared = self._shared_parameter_sums(single, root)
+        self.shared_edges = [e for sums in shared.values() for e in sums.edges]
         for module, names in single.items():
+            if module in shared:
+                self.sums[module] = shared[module]
+                continue
             with engine.naming(module):
                 self.sums[module] = rule_for(module, names).column_sums(
                     module, calls[module], names, n, traces
                 )
         self.totals: list[Tensor | None] = [None] * len(params)
+
+    def _shared_parameter_sums(self, single: dict, root) -> dict:
+        """:class:`SharedParameterColumnSums` for each module the generic rule would handle
+        whose parameters all had closed-form per-sample gradients in the captured backward
+        (``root.shared_parameter_gradients``), as the main step decides."""
+        known = root.shared_parameter_gradients
+        modules = {}
+        for module, names in single.items():
+            if rule_for(module, names) is GenericRule:
+                ps = [module.get_parameter(name) for name in names]
+                if all(known.get(id(p)) is not None for p in ps):
+                    modules[module] = (names, ps)
+        if not modules:
+            return {}
+        uses = shared_parameter_uses(root, [p for _, ps in modules.values() for p in ps])
+        if uses is None:
+            return {}
+        return {
+            module: SharedParameterColumnSums(names, [uses[id(p)] for p in ps], self.traces)
+            for module, (names, ps) in modules.items()
+        }
 
     def _grad_outputs(self, module, by_key) -> list[list[Tensor | None]]:
         outs = []
@@ -173,11 +211,17 @@ class _ColumnSums:
             outs.append(call_outs)
         return outs
 
-    def add(self, grads) -> None:
+    def add(self, grads, shared_grads) -> None:
+        """One column: its gradients w.r.t. the captured outputs (in :attr:`keys` order) and at
+        :attr:`shared_edges`."""
         by_key = dict(zip(self.keys, grads, strict=True))
+        shared_grads = list(shared_grads)
         with torch.no_grad():
             for module, sums in self.sums.items():
-                if type(sums) is ColumnSums:  # the rule's own statistics: name its errors
+                if isinstance(sums, SharedParameterColumnSums):
+                    sums.add(shared_grads[: len(sums.edges)])
+                    shared_grads = shared_grads[len(sums.edges) :]
+                elif type(sums) is ColumnSums:  # the rule's own statistics: name its errors
                     with self.engine.naming(module):
                         sums.add(self._grad_outputs(module, by_key))
                 else:  # a closed form over the columns (Linear, convolution)
