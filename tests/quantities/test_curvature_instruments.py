@@ -532,13 +532,13 @@ def test_ggn_of_root_parameters_by_their_closed_forms(build, traces, monkeypatch
 @pytest.mark.parametrize("build", [tiny_vit, tiny_encoder])
 def test_mc_ggn_of_root_parameters_converges_and_is_seedable(build, monkeypatch):
     """The Monte-Carlo diagonal by the same closed forms: one seed gives one value, another
-    seed another, and 400 draws approach the dense GGN's traces (E[S z z^T S^T] = H)."""
+    seed another, and 150 draws approach the dense GGN's traces (E[S z z^T S^T] = H)."""
     model, X, y, loss_fn = build()
     reruns = _no_model_rerun(monkeypatch)
     traces, *_ = _expected(model, X, y, loss_fn, torch.diagonal(dense_ggn(model, X, y, loss_fn)))
     values = []
     for seed in (0, 0, 1):
-        q = HessTrace(curvature="diag_ggn_mc", mc_samples=400, seed=seed)
+        q = HessTrace(curvature="diag_ggn_mc", mc_samples=150, seed=seed)
         (out,) = _run(model, X, y, loss_fn, [q])
         values.append(torch.tensor(out["HessTrace"], dtype=torch.float64))
     assert reruns == []
@@ -546,3 +546,39 @@ def test_mc_ggn_of_root_parameters_converges_and_is_seedable(build, monkeypatch)
     assert not torch.equal(values[0], values[2])
     for value in (values[0], values[2]):
         torch.testing.assert_close(value, torch.stack(traces), rtol=0.25, atol=1e-6)
+
+
+def batch_norm_cnn(n=4, seed=7):
+    """BatchNorm2d and LayerNorm by running statistics (eval mode: per sample separable, so
+    the dense per-sample J^T H J is the reference), with non-trivial running statistics."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.LayerNorm(12),
+        nn.Linear(12, 3),
+    )  # fmt: skip
+    bn = model[1]
+    bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0)
+    bn.weight.data.uniform_(0.5, 1.5), bn.bias.data.uniform_(-0.5, 0.5)
+    X, y = torch.randn(n, 2, 4, 4), torch.randint(0, 3, (n,))
+    return model.double().eval(), X.double(), y, _cross_entropy
+
+
+def test_ggn_of_normalization_layers_matches_brute_force(monkeypatch):
+    """The normalisation layers' column sums (x_hat once for all columns) match the dense
+    GGN, and are the ones used."""
+    from avionics.persample.rules import normalization
+
+    model, X, y, loss_fn = batch_norm_cnn()
+    used = []
+    init = normalization.NormalizationColumnSums.__init__
+
+    def spy(self, module, *args):
+        used.append(module)
+        init(self, module, *args)
+
+    monkeypatch.setattr(normalization.NormalizationColumnSums, "__init__", spy)
+    (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])
+    assert set(used) == {model[1], model[4]}
+    h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    *_, tic_trace = _check_against(out, model, X, y, loss_fn, h)
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
