@@ -529,7 +529,7 @@ def test_ggn_of_root_parameters_by_their_closed_forms(build, traces, monkeypatch
         assert torch.all(pos[4] == 0) and torch.all(pos[:4].abs().sum(1) > 0)
 
 
-@pytest.mark.parametrize("build", [tiny_vit, tiny_encoder])
+@pytest.mark.parametrize("build", [pytest.param(tiny_vit, marks=pytest.mark.slow), tiny_encoder])
 def test_mc_ggn_of_root_parameters_converges_and_is_seedable(build, monkeypatch):
     """The Monte-Carlo diagonal by the same closed forms: one seed gives one value, another
     seed another, and 150 draws approach the dense GGN's traces (E[S z z^T S^T] = H)."""

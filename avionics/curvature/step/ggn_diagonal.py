@@ -11,12 +11,13 @@ dl_n/dout, squared and summed (``"diag_ggn_exact"``). ``"diag_ggn_mc"`` uses S_n
 z_n ~ N(0, I) from a seeded generator (E[S z z^T S^T] = H_n), averaged over ``mc_samples``
 draws: an unbiased estimate, one backward per draw whatever the output size.
 
-Each column goes back from the model output to every captured module output in one backward
-(none when that output is the model output itself); the squared per-sample gradients are
-summed over the columns by each parameter's per-layer rule (:meth:`Rule.column_sums
-<avionics.persample.rules.base.Rule.column_sums>`: a closed form for Linear layers without
-shared axes, all columns in one product per sample for convolutions, the rule's own statistics
-for everything else), routed as the per-sample engine routes the parameter.
+Each column goes back from the model output to every captured module output (none when that
+output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
+the squared per-sample gradients are summed over the columns by each parameter's per-layer
+rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
+form for Linear layers without shared axes, all columns in one product per sample for
+convolutions, the rule's own statistics for everything else), routed as the per-sample
+engine routes the parameter.
 
 Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
 some sample's loss reaches, so none for padding or the position a causal shift drops): K
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from avionics.curvature.step._autograd import batched_grad
 from avionics.curvature.step.loss_root import (
     check_exact_columns,
     loss_gradient,
@@ -45,6 +47,9 @@ from avionics.persample.rules.base import ColumnSums
 from avionics.persample.rules.broadcast import SharedParameterColumnSums, shared_parameter_uses
 from avionics.persample.rules.generic import GenericRule
 from avionics.persample.step import summed_statistics
+
+# columns backpropagated together (their gradients at every captured output are held at once)
+COLUMN_GROUP = 16
 
 # the 16-bit floats of a forward under autocast
 _HALF = (torch.float16, torch.bfloat16)
@@ -68,8 +73,9 @@ def ggn_diagonal(
     (J_n^T S_n e_j)_d^2 (exact: every column of the factor) or (1/(N K)) sum_n sum_k
     (J_n^T S_n z_{n,k})_d^2 (Monte Carlo: z ~ N(0, I) from ``generator``, K = ``mc_samples``).
     Each column S e_j (or S z) is backpropagated from the model output to every captured
-    module output, one backward per column; the squared per-sample gradients are summed over
-    columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
+    module output (and to the use nodes of the root's broadcast parameters), up to
+    :data:`COLUMN_GROUP` columns in one batched backward; the squared per-sample gradients are
+    summed over columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
     ||J_n^T S_n e_j||^2, which Linear layers without shared axes have in closed form.
     """
     root = _root_call(model, calls, len(individual_losses))
@@ -92,18 +98,43 @@ def ggn_diagonal(
     inner = [i for i, k in enumerate(sums.keys) if k != output_key(root.nodes[0])]
     # and the root's parameters with closed forms need the gradients at their use nodes
     edges = [sums.edges[i] for i in inner] + sums.shared_edges
-    for column in columns:
-        column = column.reshape(moved_shape).movedim(0, root.batch_axis)
-        grads = [column] * len(sums.edges)
-        found = ()
-        if edges:
-            found = torch.autograd.grad(
-                [out_edge], edges, [column], retain_graph=True, allow_unused=True
-            )
+    for group in _groups(columns):
+        group = torch.stack([c.reshape(moved_shape).movedim(0, root.batch_axis) for c in group])
+        found = _backward(out_edge, edges, group)
+        for j, column in enumerate(group):
+            grads = [column] * len(sums.edges)
             for i, g in zip(inner, found[: len(inner)], strict=True):
-                grads[i] = g
-        sums.add(_float(grads), _float(found[len(inner) :]))
+                grads[i] = None if g is None else g[j]
+            shared = [None if g is None else g[j] for g in found[len(inner) :]]
+            sums.add(_float(grads), _float(shared))
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
+
+
+def _backward(out_edge, edges: list, group: Tensor) -> list[Tensor | None]:
+    """The gradients at ``edges`` of the model output's columns ``group`` [k, *output], each
+    [k, ...] (None where none arrived): one batched backward, a plain one for one column."""
+    if not edges:
+        return []
+    if len(group) > 1:
+        return list(batched_grad([out_edge], edges, [group]))
+    found = torch.autograd.grad(
+        [out_edge], edges, [group[0]], retain_graph=True, allow_unused=True
+    )
+    return [None if g is None else g.unsqueeze(0) for g in found]
+
+
+def _groups(columns):
+    """The columns in groups of at most :data:`COLUMN_GROUP`, each backpropagated in one
+    batched backward (``is_grads_batched``: vmap over the group, one kernel per operation
+    instead of one per column)."""
+    group = []
+    for column in columns:
+        group.append(column)
+        if len(group) == COLUMN_GROUP:
+            yield group
+            group = []
+    if group:
+        yield group
 
 
 def _float(grads) -> list[Tensor | None]:
