@@ -431,3 +431,154 @@ def test_hess_trace_asks_for_the_captured_calls_only():
     request = HessTrace(curvature="diag_ggn_exact").request(0)
     assert request and not request.asks_statistics
     assert TICDiag().request(0).sum_sq and TICTrace().request(0).sum_sq
+
+
+class _TinyViT(nn.Module):
+    """A class token concatenated in front of the patches and a position table added to the
+    sequence, both parameters of the root module (as a ViT's)."""
+
+    def __init__(self, width=6, classes=3):
+        super().__init__()
+        self.patches = nn.Conv2d(2, width, 2, stride=2)  # 4 x 4 images -> 4 patches
+        self.cls_token = nn.Parameter(0.5 * torch.randn(1, 1, width))
+        self.pos_embed = nn.Parameter(0.5 * torch.randn(1, 5, width))
+        self.block = nn.TransformerEncoderLayer(
+            width, 2, 8, dropout=0.0, batch_first=True, norm_first=True
+        )
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        h = self.patches(x).flatten(2).transpose(1, 2)
+        h = torch.cat([self.cls_token.expand(len(h), -1, -1), h], 1) + self.pos_embed
+        return self.head(self.block(h)[:, 0])
+
+
+class _TinyEncoder(nn.Module):
+    """Token embeddings scaled by a root vector and a root position table sliced to the
+    sequence (``pos[:T]``, T < its rows: the last row unused) before an nn.TransformerEncoder."""
+
+    def __init__(self, vocab=7, width=6, context=5, classes=3):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.scale = nn.Parameter(1 + 0.3 * torch.randn(width))
+        self.pos = nn.Parameter(0.5 * torch.randn(context, width))
+        layer = nn.TransformerEncoderLayer(width, 2, 8, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, tokens):
+        h = self.embed(tokens) * self.scale + self.pos[: tokens.shape[1]]
+        return self.head(self.encoder(h).mean(1))
+
+
+def tiny_vit(n=4, seed=5):
+    torch.manual_seed(seed)
+    X, y = torch.randn(n, 2, 4, 4), torch.randint(0, 3, (n,))
+    return _TinyViT().double(), X.double(), y, _cross_entropy
+
+
+def tiny_encoder(n=4, seed=6):
+    torch.manual_seed(seed)
+    X, y = torch.randint(0, 7, (n, 4)), torch.randint(0, 3, (n,))
+    return _TinyEncoder().double(), X, y, _cross_entropy
+
+
+def _cross_entropy(o, t):
+    return nn.functional.cross_entropy(o, t, reduction="none")
+
+
+def _no_model_rerun(monkeypatch) -> list:
+    """A list that gets the modules whose per-sample gradients the generic rule computed (its
+    re-run of a module's forward under vmap)."""
+    from avionics.persample.rules.generic import GenericRule
+
+    reruns = []
+    gradients = GenericRule._call_gradients
+
+    def spy(self, call, start, stop):
+        reruns.append(self.module)
+        return gradients(self, call, start, stop)
+
+    monkeypatch.setattr(GenericRule, "_call_gradients", spy)
+    return reruns
+
+
+@pytest.mark.parametrize("traces", [False, True])
+@pytest.mark.parametrize("build", [tiny_vit, tiny_encoder])
+def test_ggn_of_root_parameters_by_their_closed_forms(build, traces, monkeypatch):
+    """The root's own parameters (class token, position table, a scale) reach the GGN
+    columns by the broadcast rule's closed forms: the exact diagonal (and its traces alone)
+    matches the dense J^T H J, and no module's forward is re-run."""
+    model, X, y, loss_fn = build()
+    reruns = _no_model_rerun(monkeypatch)
+    qs = [HessTrace(curvature="diag_ggn_exact"), TICTrace(curvature="diag_ggn_exact")]
+    if not traces:
+        qs.append(TICDiag(curvature="diag_ggn_exact"))
+    (out,) = _run(model, X, y, loss_fn, qs)
+    assert reruns == []
+    h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    traces_expected, tic_diag, tic_trace = _expected(model, X, y, loss_fn, h)
+    _assert_traces(out, traces_expected)
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)
+    if not traces:
+        assert out["TICDiag"] == pytest.approx(float(tic_diag), rel=1e-6)
+    if build is tiny_encoder:  # pos[4] is not used: its diagonal is zero
+        names = [name for name, p in model.named_parameters() if p.requires_grad]
+        sizes = [p.numel() for p in _params(model)]
+        pos = dict(zip(names, h.split(sizes), strict=True))["pos"].reshape(5, 6)
+        assert torch.all(pos[4] == 0) and torch.all(pos[:4].abs().sum(1) > 0)
+
+
+@pytest.mark.parametrize("build", [pytest.param(tiny_vit, marks=pytest.mark.slow), tiny_encoder])
+def test_mc_ggn_of_root_parameters_converges_and_is_seedable(build, monkeypatch):
+    """The Monte-Carlo diagonal by the same closed forms: one seed gives one value, another
+    seed another, and 150 draws approach the dense GGN's traces (E[S z z^T S^T] = H)."""
+    model, X, y, loss_fn = build()
+    reruns = _no_model_rerun(monkeypatch)
+    traces, *_ = _expected(model, X, y, loss_fn, torch.diagonal(dense_ggn(model, X, y, loss_fn)))
+    values = []
+    for seed in (0, 0, 1):
+        q = HessTrace(curvature="diag_ggn_mc", mc_samples=150, seed=seed)
+        (out,) = _run(model, X, y, loss_fn, [q])
+        values.append(torch.tensor(out["HessTrace"], dtype=torch.float64))
+    assert reruns == []
+    assert torch.equal(values[0], values[1])
+    assert not torch.equal(values[0], values[2])
+    for value in (values[0], values[2]):
+        torch.testing.assert_close(value, torch.stack(traces), rtol=0.25, atol=1e-6)
+
+
+def batch_norm_cnn(n=4, seed=7):
+    """BatchNorm2d and LayerNorm by running statistics (eval mode: per sample separable, so
+    the dense per-sample J^T H J is the reference), with non-trivial running statistics."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3), nn.Tanh(), nn.Flatten(), nn.LayerNorm(12),
+        nn.Linear(12, 3),
+    )  # fmt: skip
+    bn = model[1]
+    bn.running_mean.uniform_(-0.5, 0.5), bn.running_var.uniform_(0.5, 2.0)
+    bn.weight.data.uniform_(0.5, 1.5), bn.bias.data.uniform_(-0.5, 0.5)
+    X, y = torch.randn(n, 2, 4, 4), torch.randint(0, 3, (n,))
+    return model.double().eval(), X.double(), y, _cross_entropy
+
+
+def test_ggn_of_normalization_layers_matches_brute_force(monkeypatch):
+    """The normalisation layers' column sums (x_hat once for all columns) match the dense
+    GGN, and are the ones used."""
+    from avionics.persample.rules import normalization
+
+    model, X, y, loss_fn = batch_norm_cnn()
+    used = []
+    init = normalization.NormalizationColumnSums.__init__
+
+    def spy(self, module, *args):
+        used.append(module)
+        init(self, module, *args)
+
+    monkeypatch.setattr(normalization.NormalizationColumnSums, "__init__", spy)
+    (out,) = _run(model, X, y, loss_fn, [*_ggn_exact(), TICTrace(curvature="diag_ggn_exact")])
+    assert set(used) == {model[1], model[4]}
+    h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
+    *_, tic_trace = _check_against(out, model, X, y, loss_fn, h)
+    assert out["TICTrace"] == pytest.approx(float(tic_trace), rel=1e-7)

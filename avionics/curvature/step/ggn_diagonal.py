@@ -11,12 +11,13 @@ dl_n/dout, squared and summed (``"diag_ggn_exact"``). ``"diag_ggn_mc"`` uses S_n
 z_n ~ N(0, I) from a seeded generator (E[S z z^T S^T] = H_n), averaged over ``mc_samples``
 draws: an unbiased estimate, one backward per draw whatever the output size.
 
-Each column goes back from the model output to every captured module output in one backward
-(none when that output is the model output itself); the squared per-sample gradients are
-summed over the columns by each parameter's per-layer rule (:meth:`Rule.column_sums
-<avionics.persample.rules.base.Rule.column_sums>`: a closed form for Linear layers without
-shared axes, all columns in one product per sample for convolutions, the rule's own statistics
-for everything else), routed as the per-sample engine routes the parameter.
+Each column goes back from the model output to every captured module output (none when that
+output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
+the squared per-sample gradients are summed over the columns by each parameter's per-layer
+rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
+form for Linear layers without shared axes, all columns in one product per sample for
+convolutions, the rule's own statistics for everything else), routed as the per-sample
+engine routes the parameter.
 
 Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
 some sample's loss reaches, so none for padding or the position a causal shift drops): K
@@ -33,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from avionics.curvature.step._autograd import batched_grad
 from avionics.curvature.step.loss_root import (
     check_exact_columns,
     loss_gradient,
@@ -42,7 +44,12 @@ from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
 from avionics.persample.rules import rule_for
 from avionics.persample.rules.base import ColumnSums
+from avionics.persample.rules.broadcast import SharedParameterColumnSums, shared_parameter_uses
+from avionics.persample.rules.generic import GenericRule
 from avionics.persample.step import summed_statistics
+
+# columns backpropagated together (their gradients at every captured output are held at once)
+COLUMN_GROUP = 16
 
 # the 16-bit floats of a forward under autocast
 _HALF = (torch.float16, torch.bfloat16)
@@ -66,8 +73,9 @@ def ggn_diagonal(
     (J_n^T S_n e_j)_d^2 (exact: every column of the factor) or (1/(N K)) sum_n sum_k
     (J_n^T S_n z_{n,k})_d^2 (Monte Carlo: z ~ N(0, I) from ``generator``, K = ``mc_samples``).
     Each column S e_j (or S z) is backpropagated from the model output to every captured
-    module output, one backward per column; the squared per-sample gradients are summed over
-    columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
+    module output (and to the use nodes of the root's broadcast parameters), up to
+    :data:`COLUMN_GROUP` columns in one batched backward; the squared per-sample gradients are
+    summed over columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
     ||J_n^T S_n e_j||^2, which Linear layers without shared axes have in closed form.
     """
     root = _root_call(model, calls, len(individual_losses))
@@ -84,23 +92,54 @@ def ggn_diagonal(
     else:
         z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
         columns = (root_of(zk) for zk in z.to(u.device))
-    sums = _ColumnSums(engine, calls, params, n, traces)
+    sums = _ColumnSums(engine, calls, params, n, traces, root)
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
     # the model output is often a captured output too (a final Linear): its column is given
     inner = [i for i, k in enumerate(sums.keys) if k != output_key(root.nodes[0])]
-    edges = [sums.edges[i] for i in inner]
-    for column in columns:
-        column = column.reshape(moved_shape).movedim(0, root.batch_axis)
-        grads = [column] * len(sums.edges)
-        if edges:
-            found = torch.autograd.grad(
-                [out_edge], edges, [column], retain_graph=True, allow_unused=True
-            )
-            for i, g in zip(inner, found, strict=True):
-                grads[i] = g
-        # (a forward under autocast backpropagates 16-bit columns: summed in float32)
-        sums.add([g.float() if g is not None and g.dtype in _HALF else g for g in grads])
+    # and the root's parameters with closed forms need the gradients at their use nodes
+    edges = [sums.edges[i] for i in inner] + sums.shared_edges
+    for group in _groups(columns):
+        group = torch.stack([c.reshape(moved_shape).movedim(0, root.batch_axis) for c in group])
+        found = _backward(out_edge, edges, group)
+        for j, column in enumerate(group):
+            grads = [column] * len(sums.edges)
+            for i, g in zip(inner, found[: len(inner)], strict=True):
+                grads[i] = None if g is None else g[j]
+            shared = [None if g is None else g[j] for g in found[len(inner) :]]
+            sums.add(_float(grads), _float(shared))
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
+
+
+def _backward(out_edge, edges: list, group: Tensor) -> list[Tensor | None]:
+    """The gradients at ``edges`` of the model output's columns ``group`` [k, *output], each
+    [k, ...] (None where none arrived): one batched backward, a plain one for one column."""
+    if not edges:
+        return []
+    if len(group) > 1:
+        return list(batched_grad([out_edge], edges, [group]))
+    found = torch.autograd.grad(
+        [out_edge], edges, [group[0]], retain_graph=True, allow_unused=True
+    )
+    return [None if g is None else g.unsqueeze(0) for g in found]
+
+
+def _groups(columns):
+    """The columns in groups of at most :data:`COLUMN_GROUP`, each backpropagated in one
+    batched backward (``is_grads_batched``: vmap over the group, one kernel per operation
+    instead of one per column)."""
+    group = []
+    for column in columns:
+        group.append(column)
+        if len(group) == COLUMN_GROUP:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+def _float(grads) -> list[Tensor | None]:
+    """(a forward under autocast backpropagates 16-bit columns: summed in float32)"""
+    return [g.float() if g is not None and g.dtype in _HALF else g for g in grads]
 
 
 def _root_call(model: nn.Module, calls: dict, n: int):
@@ -131,10 +170,14 @@ class _ColumnSums:
     columns (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`).
     Several (tied weights): g_n is the sum of the contributions' materialised gradients,
     summed in chunks before squaring, as the engine does for them (||a + b||^2 is not
-    ||a||^2 + ||b||^2).
+    ||a||^2 + ||b||^2). Parameters used directly in the forward whose per-sample gradients
+    the captured backward had in closed form (the main step's
+    :class:`~avionics.persample.rules.broadcast.SharedParameterRule`) get them here by the
+    same forms, from the columns' gradients at their use nodes (:attr:`shared_edges`), not
+    by the generic rule's re-run of the whole model.
     """
 
-    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool = False):
+    def __init__(self, engine, calls: dict, params: list[Tensor], n: int, traces: bool, root):
         self.engine, self.calls, self.params = engine, calls, params
         self.n, self.traces = n, traces
         keyed: dict = {}
@@ -157,12 +200,38 @@ class _ColumnSums:
             for call in calls[module]:
                 call.check_inputs_unchanged(engine.module_name(module))
         self.sums = {}
+        shared = self._shared_parameter_sums(single, root)
+        self.shared_edges = [e for sums in shared.values() for e in sums.edges]
         for module, names in single.items():
+            if module in shared:
+                self.sums[module] = shared[module]
+                continue
             with engine.naming(module):
                 self.sums[module] = rule_for(module, names).column_sums(
                     module, calls[module], names, n, traces
                 )
         self.totals: list[Tensor | None] = [None] * len(params)
+
+    def _shared_parameter_sums(self, single: dict, root) -> dict:
+        """:class:`SharedParameterColumnSums` for each module the generic rule would handle
+        whose parameters all had closed-form per-sample gradients in the captured backward
+        (``root.shared_parameter_gradients``), as the main step decides."""
+        known = root.shared_parameter_gradients
+        modules = {}
+        for module, names in single.items():
+            if rule_for(module, names) is GenericRule:
+                ps = [module.get_parameter(name) for name in names]
+                if all(known.get(id(p)) is not None for p in ps):
+                    modules[module] = (names, ps)
+        if not modules:
+            return {}
+        uses = shared_parameter_uses(root, [p for _, ps in modules.values() for p in ps])
+        if uses is None:
+            return {}
+        return {
+            module: SharedParameterColumnSums(names, [uses[id(p)] for p in ps], self.traces)
+            for module, (names, ps) in modules.items()
+        }
 
     def _grad_outputs(self, module, by_key) -> list[list[Tensor | None]]:
         outs = []
@@ -173,11 +242,17 @@ class _ColumnSums:
             outs.append(call_outs)
         return outs
 
-    def add(self, grads) -> None:
+    def add(self, grads, shared_grads) -> None:
+        """One column: its gradients w.r.t. the captured outputs (in :attr:`keys` order) and at
+        :attr:`shared_edges`."""
         by_key = dict(zip(self.keys, grads, strict=True))
+        shared_grads = list(shared_grads)
         with torch.no_grad():
             for module, sums in self.sums.items():
-                if type(sums) is ColumnSums:  # the rule's own statistics: name its errors
+                if isinstance(sums, SharedParameterColumnSums):
+                    sums.add(shared_grads[: len(sums.edges)])
+                    shared_grads = shared_grads[len(sums.edges) :]
+                elif type(sums) is ColumnSums:  # the rule's own statistics: name its errors
                     with self.engine.naming(module):
                         sums.add(self._grad_outputs(module, by_key))
                 else:  # a closed form over the columns (Linear, convolution)

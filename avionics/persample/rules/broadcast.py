@@ -28,6 +28,7 @@ re-run under vmap).
 from __future__ import annotations
 
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 from torch.func import vmap
 from torch.utils.hooks import RemovableHandle
 
@@ -74,13 +75,7 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
     direct = {id(p): p for m in _direct_users(root, forward, owners) for p in m.parameters(False)}
     if not shared and not direct:
         return []
-    consumers: dict[tuple, list[tuple]] = {}  # edge -> [(node, input position)]
-    leaves = []  # the AccumulateGrad nodes of the directly used parameters
-    for node in _nodes(last.nodes):
-        if id(getattr(node, "variable", None)) in direct:
-            leaves.append(node)
-        for position, edge in enumerate(node.next_functions):
-            consumers.setdefault(edge, []).append((node, position))
+    consumers, leaves = _consumers(last.nodes, direct)
     handles = []
     for edge, (call, i) in shared.items():
         uses = [
@@ -91,11 +86,7 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
             for node, scale in uses:
                 handles.append(node.register_prehook(_accumulator(call, i, scale)))
     for leaf in leaves:
-        uses = _uses((leaf, 0), consumers, leaf.variable.shape)
-        if uses and any(_reduces_over_batch(scale, axis, n) for _, scale, _, _ in uses):
-            uses = None  # (a product with a statistic of the batch: the generic rule says so)
-        for node, scale, views, shape in uses or ():
-            per_sample = _per_sample(scale, views, shape, axis, n)
+        for node, per_sample in _parameter_uses(leaf, consumers, axis, n) or ():
             handles.append(node.register_prehook(_parameter_accumulator(last, leaf, per_sample)))
     # parameters the forward does not reach: g_n = 0 (a zero of stride 0, materialised by the
     # rule a chunk of samples at a time)
@@ -104,6 +95,57 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
         if key not in reached and p.requires_grad:
             last.shared_parameter_gradients[key] = p.detach().new_zeros(()).expand(n, *p.shape)
     return handles
+
+
+def shared_parameter_uses(root_call, params: list[Tensor]) -> dict[int, list[tuple]] | None:
+    """(node, per-sample map) for every use of each of ``params`` (parameters whose per-sample
+    gradients the captured backward found by :func:`hook_shared_outputs`, in
+    ``root_call.shared_parameter_gradients``) in the graph of ``root_call``'s forward, by
+    ``id`` of the parameter: the per-sample gradients of p for any gradient backpropagated
+    from the root's outputs are sum over its uses of ``per_sample(dh)``, dh the gradient
+    w.r.t. the use node's output (an empty list: p is not reached, g_n = 0). None where a
+    parameter's uses have no closed form (then the generic rule is needed).
+
+    One walk of the graph: for gradients other than the captured one (the GGN diagonal's
+    columns), which ask autograd for dh at the use nodes instead of hooking them."""
+    axis = root_call.batch_axis
+    n = root_call.inputs[0].shape[axis]
+    wanted = {id(p): p for p in params}
+    consumers, leaves = _consumers(root_call.nodes, wanted)
+    found = {id(p): [] for p in params}
+    for leaf in leaves:
+        uses = _parameter_uses(leaf, consumers, axis, n)
+        if uses is None:
+            return None
+        found[id(leaf.variable)] += uses
+    return found
+
+
+def _consumers(roots, direct: dict) -> tuple[dict, list]:
+    """One walk of the graph from the captured outputs ``roots``: edge -> [(consuming node,
+    input position)], and the AccumulateGrad nodes of the parameters in ``direct`` (by id)."""
+    consumers: dict[tuple, list[tuple]] = {}
+    leaves = []
+    for node in _nodes(roots):
+        if id(getattr(node, "variable", None)) in direct:
+            leaves.append(node)
+        for position, edge in enumerate(node.next_functions):
+            consumers.setdefault(edge, []).append((node, position))
+    return consumers, leaves
+
+
+def _parameter_uses(leaf, consumers, axis: int, n: int) -> list[tuple] | None:
+    """(broadcasting node, dh -> the parameter's per-sample gradients) for each use of the
+    parameter of ``leaf`` (:func:`_uses`, :func:`_per_sample`); None where one has no closed
+    form, or a product couples it with a statistic of the batch (the generic rule says so)."""
+    uses = _uses((leaf, 0), consumers, leaf.variable.shape)
+    if uses and any(_reduces_over_batch(scale, axis, n) for _, scale, _, _ in uses):
+        return None
+    if uses is None:
+        return None
+    return [
+        (node, _per_sample(scale, views, shape, axis, n)) for node, scale, views, shape in uses
+    ]
 
 
 def _direct_users(root: nn.Module, forward, owners) -> list[nn.Module]:
@@ -317,3 +359,42 @@ class SharedParameterRule(Rule):
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         return [g[start:stop] * self.output_gradient_factor for g in self.gradients]
+
+
+class SharedParameterColumnSums:
+    """sum over backpropagated columns j of sum_n g_{n,j}^2 (with ``traces``, its sum_d) for
+    parameters used directly in the forward (:func:`shared_parameter_uses`): g_{n,j} = sum over
+    the parameter's uses of ``per_sample(dh_j)``, dh_j column j's gradient w.r.t. the use
+    node's output, asked of autograd at :attr:`edges` in the column's backward (the closed
+    forms of :class:`SharedParameterRule`, where the generic rule would re-run the whole model
+    under vmap for every column)."""
+
+    def __init__(self, names: list[str], uses: list[list[tuple]], traces: bool):
+        self.names, self.traces = names, traces
+        at: dict[int, int] = {}  # id(node) -> its position in edges
+        self.edges: list[GradientEdge] = []
+        self.uses: list[list[tuple]] = []  # per name: [(edge position, per_sample)]
+        for parameter_uses in uses:
+            self.uses.append([])
+            for node, per_sample in parameter_uses:
+                if id(node) not in at:
+                    at[id(node)] = len(self.edges)
+                    self.edges.append(GradientEdge(node, 0))
+                self.uses[-1].append((at[id(node)], per_sample))
+        self.totals: list[Tensor | None] = [None] * len(names)
+
+    def add(self, grads: list[Tensor | None]) -> None:
+        """One column: ``grads[i]`` is its gradient at ``edges[i]`` (None: none arrived)."""
+        for k, parameter_uses in enumerate(self.uses):
+            found = [
+                per_sample(grads[i]) for i, per_sample in parameter_uses if grads[i] is not None
+            ]
+            if not found:
+                continue
+            g = sum(found[1:], found[0])
+            s = g.pow(2).sum() if self.traces else g.pow(2).sum(0)
+            self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        """``scale`` times the sums, one per name (None where no column reached the name)."""
+        return [t.mul_(scale) if t is not None else None for t in self.totals]

@@ -46,27 +46,68 @@ def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
     return x_hat.movedim(1, -1), x.dim() - 1
 
 
+def _inputs(module: nn.Module, call, n: int) -> tuple[Tensor, tuple[int, ...]]:
+    """x_hat of one call (batch first, features last) and the axes its per-sample sums run
+    over."""
+    x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
+    x_hat, lead = _normalized(module, x)
+    return x_hat, tuple(range(1, lead))
+
+
+def _per_sample(module, call, x_hat, summed, names, n, d: Tensor) -> list[Tensor]:
+    """Each name's per-sample gradient [N, *features] for output gradient ``d`` of ``call``
+    (factor 1): sum over ``summed`` of d * x_hat (weight) or d (bias)."""
+    d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
+    if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
+        d = d.movedim(1, -1)
+    grads = [d * x_hat if name == "weight" else d for name in names]
+    return [g.sum(summed) if summed else g for g in grads]
+
+
 class NormalizationRule(Rule):
     def __init__(self, module, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
-        grads = {name: 0 for name in names}
+        grads = [0] * len(names)
         for call in calls:
-            x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
-            d = batch_first(
-                output_gradient(call), call.batch_axis, n, f"{type(module).__name__} output"
-            )
-            x_hat, lead = _normalized(module, x)
-            if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                d = d.movedim(1, -1)
-            summed = tuple(range(1, lead))
-            for name in names:
-                g = d * x_hat if name == "weight" else d
-                grads[name] = grads[name] + (g.sum(summed) if summed else g)
+            x_hat, summed = _inputs(module, call, n)
+            per_call = _per_sample(module, call, x_hat, summed, names, n, output_gradient(call))
+            grads = [g + c for g, c in zip(grads, per_call, strict=True)]
         # the factor on the small sums, not on the output gradient
-        self.grads = [grads[name] * output_gradient_factor for name in names]
+        self.grads = [g * output_gradient_factor for g in grads]
+
+    @classmethod
+    def column_sums(cls, module, calls, names, n, traces):
+        return NormalizationColumnSums(module, calls, names, n, traces)
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
         return [g[start:stop] for g in self.grads]
 
     def chunks(self):
         yield 0, self.grads
+
+
+class NormalizationColumnSums:
+    """:meth:`NormalizationRule.column_sums`: x_hat of each call computed once for all
+    columns; per column j, g_{n,j} = sum over the other axes of delta_j * x_hat (weight) or
+    delta_j (bias), summed over the calls, squared and summed over the samples."""
+
+    def __init__(self, module, calls, names: list[str], n: int, traces: bool):
+        self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
+        self.inputs = [_inputs(module, call, n) for call in calls]
+        self.totals: list[Tensor | None] = [None] * len(names)
+
+    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
+        """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
+        grads = None
+        for call, (x_hat, summed), outs in zip(self.calls, self.inputs, grad_outputs, strict=True):
+            if outs[0] is None:
+                continue
+            per_call = _per_sample(self.module, call, x_hat, summed, self.names, self.n, outs[0])
+            grads = per_call if grads is None else [g + c for g, c in zip(grads, per_call)]
+        for k, g in enumerate(grads or ()):
+            s = g.pow(2).sum() if self.traces else g.pow(2).sum(0)
+            self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        """``scale`` times the sums, one per name (None where no column arrived)."""
+        return [t.mul_(scale) if t is not None else None for t in self.totals]
