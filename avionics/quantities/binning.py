@@ -482,25 +482,28 @@ def _in_threads(count, rows: int, values: int, counts: np.ndarray) -> None:
 KERNELS = (_count_1d, _count_outer_1d, _count_2d, _count_outer_2d)
 
 
-def load_kernels(dtypes) -> None:
+def load_kernels(dtypes, dims=(1, 2)) -> None:
     """Load the kernels that count CPU values of each dtype in ``dtypes`` (float32 or
-    float64), from numba's cache or by compiling them (:data:`COMPILE_NOTICE`), by counting a
-    few values of that dtype with each: the signatures :func:`count_1d` and :func:`count_2d`
-    dispatch to. Once per process and dtype; later calls cost a dictionary look-up. Loading
-    from the cache takes 0.5-2 s (most of it numba's first dispatch importing its type
-    registries), compiling 5-20 s."""
+    float64) into histograms of each dimension in ``dims`` (1: :func:`count_1d`, 2:
+    :func:`count_2d`), from numba's cache or by compiling them (:data:`COMPILE_NOTICE`), by
+    counting a few values of that dtype with each: the signatures those functions dispatch
+    to. Once per process, dtype and dimension; later calls cost a set look-up. Loading from
+    the cache takes 0.5-5 s (most of it numba's first dispatch importing its type
+    registries), compiling 5-60 s."""
     for dtype in dtypes:
-        if dtype in _LOADED:
-            continue
-        values = torch.linspace(-1.0, 1.0, 8, dtype=dtype).reshape(2, 4)
-        for chunk, width in ((values, 4), (OuterProducts(values[:, :2], values), 8)):
-            count_1d(chunk, -1.0, 1.0, torch.zeros(2, dtype=torch.int64))
-            offsets = torch.arange(width, dtype=torch.int32) * 2
-            count_2d(chunk, offsets, 2, -1.0, 1.0, torch.zeros(2 * width, dtype=torch.int64))
-        _LOADED.add(dtype)
+        for dim in set(dims) - {d for t, d in _LOADED if t == dtype}:
+            values = torch.linspace(-1.0, 1.0, 8, dtype=dtype).reshape(2, 4)
+            for chunk, width in ((values, 4), (OuterProducts(values[:, :2], values), 8)):
+                if dim == 1:
+                    count_1d(chunk, -1.0, 1.0, torch.zeros(2, dtype=torch.int64))
+                else:
+                    offsets = torch.arange(width, dtype=torch.int32) * 2
+                    counts = torch.zeros(2 * width, dtype=torch.int64)
+                    count_2d(chunk, offsets, 2, -1.0, 1.0, counts)
+            _LOADED.add((dtype, dim))
 
 
-_LOADED: set[torch.dtype] = set()
+_LOADED: set[tuple[torch.dtype, int]] = set()  # (dtype, dimension)
 
 
 def bin_index(values: Tensor, bins: int, lo: float, hi: float) -> Tensor:

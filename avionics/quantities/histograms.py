@@ -362,11 +362,13 @@ def _source_max(adapt: _AbsMax, grad_max: Tensor | None, data: StepData) -> floa
 
 
 def load_histogram_kernels(quantities: list[Quantity], params: list[Tensor]) -> None:
-    """Where ``quantities`` hold a histogram, load (or compile) the CPU kernels that will count
-    the per-sample gradients of ``params`` (:func:`avionics.quantities.binning.load_kernels`;
-    the gradients are in float32 or float64, the CPU parameters' dtype at least float32), so
-    that the first tracked step does not pay for it. Parameters on another device are counted
-    by torch operations, which need nothing loaded."""
-    if any(isinstance(q, _Histogram) for q in quantities):
+    """Where ``quantities`` hold a histogram, load (or compile) the CPU kernels they use (1d
+    for GradHist1d, 2d for GradHist2d) for the per-sample gradients of ``params``
+    (:func:`avionics.quantities.binning.load_kernels`; the gradients are in float32 or
+    float64, the CPU parameters' dtype at least float32), so that the first tracked step does
+    not pay for it. Parameters on another device are counted by torch operations, which need
+    nothing loaded."""
+    dims = {1 if isinstance(q, GradHist1d) else 2 for q in quantities if isinstance(q, _Histogram)}
+    if dims:
         cpu = {p.dtype for p in params if p.device.type == "cpu"}
-        load_kernels({torch.float64 if d == torch.float64 else torch.float32 for d in cpu})
+        load_kernels({torch.float64 if d == torch.float64 else torch.float32 for d in cpu}, dims)
