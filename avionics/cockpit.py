@@ -39,6 +39,7 @@ from avionics.curvature._data import MathAttention
 from avionics.distributed import current_world, unwrap
 from avionics.persample import PerSampleEngine, Request
 from avionics.quantities.base import Quantity, TwoStepQuantity, check_data_parallel
+from avionics.quantities.histograms import load_histogram_kernels
 from avionics.quantities.loss import Loss
 from avionics.records.sink import Sink
 from avionics.step import checks
@@ -127,6 +128,11 @@ class Cockpit:
     compiles, and the steps whose forward it captures (or differentiates twice) run eagerly,
     under ``torch.compiler.set_stance("force_eager")`` from the end of the step before to
     their own end (the compiled code runs no module hooks); every other step runs compiled.
+
+    With a histogram quantity (GradHist1d, GradHist2d; economy has one) and parameters on the
+    CPU, construction loads the histogram kernels (numba) for the parameters' dtype, once per
+    process: 0.5-2 s from numba's on-disk cache, 5-20 s where they must be compiled (said on
+    stderr), so that the first tracked step costs about what a later one does.
     """
 
     def __init__(
@@ -165,6 +171,7 @@ class Cockpit:
         self.quantities = quantities
         self.params, self.param_names = checks.tracked_parameters(model, params)
         self._every_parameter = params is None
+        load_histogram_kernels(quantities, self.params)
         self._engine = PerSampleEngine(model, self.params)
         if self._sharded:
             self._processes = Sharded(self.params, self._world, model)

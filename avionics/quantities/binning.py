@@ -28,6 +28,10 @@ bottleneck (a run of equal bins serialises on one counter), so counts go to seve
 counters, and in 1d with ``bins <= PAIR_BINS`` two values are counted with one increment of
 their joint bin b(x_1) * bins + b(x_2), marginalised at the end.
 
+With several torch threads (``torch.get_num_threads()``), a large chunk's rows are split into
+one part per thread, counted in parallel into private counts (the kernels release the GIL)
+and added up: the same integers.
+
 Tensors on any other device (a GPU) are counted where they are, by torch operations that give
 the same counts (:func:`torch_count_1d`, :func:`torch_count_2d`: the bins of
 :func:`bin_index`, in float64, added by ``scatter_add_``, which needs no host synchronisation;
@@ -38,15 +42,19 @@ so CPU tensors keep the kernels.
 The kernels are compiled on first use and cached on disk where numba finds a writable folder
 (``NUMBA_CACHE_DIR``, this package's ``__pycache__``, or the user-wide cache under
 ``~/.cache``); where it finds none (a read-only installation used by a user without a writable
-home), they are compiled anew in each process (:data:`CACHE` is False). Compiling takes
-seconds per kernel and value dtype (10-60 s for a first tracked step), so the first
-compilation in a process says so once on stderr (:data:`COMPILE_NOTICE`); loading them from
+home), they are compiled anew in each process (:data:`CACHE` is False). A Cockpit with a
+histogram quantity loads them when it is built (:func:`load_kernels`), so that its first
+tracked step costs about what a later one does. Compiling takes seconds per kernel and value
+dtype (5-60 s in all), so the first compilation in a process says so once on stderr
+(:data:`COMPILE_NOTICE`); loading them from
 the cache takes under a second and says nothing.
 """
 
 from __future__ import annotations
 
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
@@ -392,10 +400,19 @@ def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor
         delta, x = _factors(chunk)
         rows, factors = (x, delta) if x.shape[1] >= delta.shape[1] else (delta, x)
         search = _search_pays(rows, factors, scale)
-        sorted_rows = np.sort(rows, axis=1) if search else rows
-        _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counts.numpy())
+
+        def count(part: slice, out: np.ndarray) -> None:
+            sorted_rows = np.sort(rows[part], axis=1) if search else rows[part]
+            _count_outer_1d(rows[part], factors[part], sorted_rows, search, lo, scale, bins, out)
+
+        _in_threads(count, len(rows), rows.size * factors.shape[1], counts.numpy())
     else:
-        _count_1d(_as_numpy(chunk).reshape(-1), lo, scale, bins, counts.numpy())
+        values = _as_numpy(chunk).reshape(-1)
+
+        def count(part: slice, out: np.ndarray) -> None:
+            _count_1d(values[part], lo, scale, bins, out)
+
+        _in_threads(count, values.size, values.size, counts.numpy())
 
 
 def count_2d(
@@ -415,10 +432,78 @@ def count_2d(
         return
     offsets_np = offsets.to(torch.int32).contiguous().numpy()  # no copy when int32 already
     if isinstance(chunk, OuterProducts):
-        _count_outer_2d(*_factors(chunk), offsets_np, lo, scale, bins, counts.numpy())
+        delta, x = _factors(chunk)
+
+        def count(part: slice, out: np.ndarray) -> None:
+            _count_outer_2d(delta[part], x[part], offsets_np, lo, scale, bins, out)
+
+        _in_threads(count, len(delta), delta.size * x.shape[1], counts.numpy())
     else:
         values = _as_numpy(chunk).reshape(-1, offsets.numel())
-        _count_2d(values, offsets_np, lo, scale, bins, counts.numpy())
+
+        def count(part: slice, out: np.ndarray) -> None:
+            _count_2d(values[part], offsets_np, lo, scale, bins, out)
+
+        _in_threads(count, len(values), values.size, counts.numpy())
+
+
+# Values a thread counts at least: below that, handing a part to another thread (tens of
+# microseconds) costs more than counting it saves (about 1 ns a value).
+PER_THREAD = 2**18
+# process id -> (workers, the pool): a forked child needs its own
+_pools: dict[int, tuple[int, ThreadPoolExecutor]] = {}
+
+
+def _in_threads(count, rows: int, values: int, counts: np.ndarray) -> None:
+    """count(rows a:b, out) over consecutive parts of the rows, one part per torch thread
+    (``torch.get_num_threads()``, at least :data:`PER_THREAD` values each; the kernels release
+    the GIL), each part's counts in its own zeroed copy of ``counts``, added up at the end:
+    the same integers in any order. The calling thread counts the first part."""
+    threads = max(1, min(torch.get_num_threads(), rows, values // PER_THREAD))
+    if threads == 1:
+        count(slice(0, rows), counts)
+        return
+    bounds = [rows * t // threads for t in range(threads + 1)]
+    parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+    workers, pool = _pools.get(os.getpid(), (0, None))
+    if workers < threads - 1:
+        if pool is not None:
+            pool.shutdown(wait=False)
+        pool = ThreadPoolExecutor(threads - 1, "avionics-histograms")
+        _pools[os.getpid()] = threads - 1, pool
+    outs = [np.zeros_like(counts) for _ in parts[1:]]
+    futures = [pool.submit(count, part, out) for part, out in zip(parts[1:], outs)]
+    count(parts[0], counts)
+    for future, out in zip(futures, outs):
+        future.result()
+        counts += out
+
+
+KERNELS = (_count_1d, _count_outer_1d, _count_2d, _count_outer_2d)
+
+
+def load_kernels(dtypes, dims=(1, 2)) -> None:
+    """Load the kernels that count CPU values of each dtype in ``dtypes`` (float32 or
+    float64) into histograms of each dimension in ``dims`` (1: :func:`count_1d`, 2:
+    :func:`count_2d`), from numba's cache or by compiling them (:data:`COMPILE_NOTICE`), by
+    counting a few values of that dtype with each: the signatures those functions dispatch
+    to. Once per process, dtype and dimension; later calls cost a set look-up. Loading from
+    the cache takes 0.5-5 s (most of it numba's first dispatch importing its type
+    registries), compiling 5-60 s."""
+    for dtype in dtypes:
+        for dim in set(dims) - {d for t, d in _LOADED if t == dtype}:
+            values = torch.linspace(-1.0, 1.0, 8, dtype=dtype).reshape(2, 4)
+            for chunk, width in ((values, 4), (OuterProducts(values[:, :2], values), 8)):
+                if dim == 1:
+                    count_1d(chunk, -1.0, 1.0, torch.zeros(2, dtype=torch.int64))
+                else:
+                    offsets = torch.arange(width, dtype=torch.int32) * 2
+                    counts = torch.zeros(2 * width, dtype=torch.int64)
+                    count_2d(chunk, offsets, 2, -1.0, 1.0, counts)
+            _LOADED.add((dtype, dim))
+
+
+_LOADED: set[tuple[torch.dtype, int]] = set()  # (dtype, dimension)
 
 
 def bin_index(values: Tensor, bins: int, lo: float, hi: float) -> Tensor:

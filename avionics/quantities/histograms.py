@@ -35,7 +35,7 @@ from torch import Tensor
 from avionics.persample import OuterProducts, Request
 from avionics.quantities.arguments import checked_int, checked_real
 from avionics.quantities.base import Quantity, StepData
-from avionics.quantities.binning import bin_index, count_1d, count_2d
+from avionics.quantities.binning import bin_index, count_1d, count_2d, load_kernels
 from avionics.quantities.outputs import HISTOGRAM_1D, HISTOGRAM_2D
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
@@ -359,3 +359,16 @@ def _source_max(adapt: _AbsMax, grad_max: Tensor | None, data: StepData) -> floa
         return float(grad_max) if grad_max is not None else 0.0
     maxima = [float(_abs_max(p)) for p in data.params if p.numel()]
     return math.nan if any(map(math.isnan, maxima)) else max(maxima, default=0.0)
+
+
+def load_histogram_kernels(quantities: list[Quantity], params: list[Tensor]) -> None:
+    """Where ``quantities`` hold a histogram, load (or compile) the CPU kernels they use (1d
+    for GradHist1d, 2d for GradHist2d) for the per-sample gradients of ``params``
+    (:func:`avionics.quantities.binning.load_kernels`; the gradients are in float32 or
+    float64, the CPU parameters' dtype at least float32), so that the first tracked step does
+    not pay for it. Parameters on another device are counted by torch operations, which need
+    nothing loaded."""
+    dims = {1 if isinstance(q, GradHist1d) else 2 for q in quantities if isinstance(q, _Histogram)}
+    if dims:
+        cpu = {p.dtype for p in params if p.device.type == "cpu"}
+        load_kernels({torch.float64 if d == torch.float64 else torch.float32 for d in cpu}, dims)

@@ -35,7 +35,9 @@ def read(values: dict[int, dict[str, Any]], convert: bool):
             if deferred is not None:
                 value = deferred.value
             numbers = reads.tree(deferred.tensors) if deferred else None
-            finite = reads.add(_finiteness(value)) if _is_float_tensor(value) else None
+            finite = None  # (its read, whether the value is a scalar)
+            if _is_float_tensor(value):
+                finite = reads.add(_finiteness(value)), value.dim() == 0
             leaves = reads.tree(value) if convert else None
             pending.append((step, name, deferred, numbers, finite, value, leaves))
     host = reads.host()
@@ -48,7 +50,10 @@ def read(values: dict[int, dict[str, Any]], convert: bool):
             value = deferred.finish(list(_numbers(host, numbers)), value)
             if value is None:
                 continue
-        ok = math.isfinite(next(_numbers(host, [finite]))) if finite is not None else True
+        ok = True
+        if finite is not None:  # a scalar's own value, or whether all entries are finite
+            number = next(_numbers(host, [finite[0]]))
+            ok = math.isfinite(number) if finite[1] else number == 1.0
         ok = ok and _finite_number(value)
         if not ok:
             bad[step].append(name)
@@ -72,18 +77,24 @@ class _Reads:
         """Read every tensor in ``value`` (dicts, lists, tuples), in order."""
         segments = []
         for t in _tensors(value):
-            flat = t.detach().reshape(-1)
-            segments.append((flat.device, self._size[flat.device], flat.numel()))
-            self._parts[flat.device].append(flat.to(torch.float64))
-            self._size[flat.device] += flat.numel()
+            device, numel = t.device, t.numel()
+            segments.append((device, self._size[device], numel))
+            self._parts[device].append(t.reshape(-1))
+            self._size[device] += numel
         return segments
 
     def host(self) -> dict[torch.device, list[float]]:
-        """Every number read, per device (one transfer each)."""
-        return {
-            device: (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
-            for device, parts in self._parts.items()
-        }
+        """Every number read, per device (one transfer each): one ``cat`` of the flattened
+        tensors and an empty float64 one, which promotes the result to float64 (each value
+        converted exactly as ``.to(torch.float64)`` would; a few hundred Python calls fewer
+        than converting each tensor)."""
+        with torch.no_grad():
+            return {
+                device: torch.cat(
+                    [*parts, torch.empty(0, dtype=torch.float64, device=device)]
+                ).tolist()
+                for device, parts in self._parts.items()
+            }
 
 
 def _numbers(host: dict, segments: list[tuple]):
@@ -133,11 +144,11 @@ def _is_float_tensor(value: Any) -> bool:
 
 
 def _finiteness(tensor: Tensor) -> Tensor:
-    """A number that is finite where every entry of ``tensor`` is: a scalar itself, else 0
-    or nan (so that a step's many scalars cost no kernel)."""
+    """A scalar itself (finite where it is: a step's many scalars cost no kernel), else
+    whether every entry is finite (True: read as 1.0)."""
     if tensor.dim() == 0:
         return tensor
-    return torch.where(torch.isfinite(tensor).all(), 0.0, torch.nan)
+    return torch.isfinite(tensor).all()
 
 
 def _finite_number(value: Any) -> bool:

@@ -324,3 +324,66 @@ def test_compiling_the_kernels_is_said_once_and_loading_them_from_the_cache_is_n
     assert compiled.stderr.count(notice) == 1, compiled.stderr
     assert compiled.stderr.index("MARK") < compiled.stderr.index(notice)
     assert loaded.stderr == "MARK\n"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("spread", [0.01, 1.0])  # narrow: the sorted-runs search pays
+def test_counts_split_over_threads_equal_the_torch_operations(monkeypatch, dtype, spread):
+    """With 3 torch threads and parts of at least 8 values, every kernel's rows are split
+    over 3 threads; the counts are those of the torch operations (and of one thread)."""
+    monkeypatch.setattr(binning, "PER_THREAD", 8)
+    threads = torch.get_num_threads()
+    delta = random_values(7 * 5, dtype, seed=11).reshape(7, 5) * spread
+    x = random_values(7 * 300, dtype, seed=12).reshape(7, 300)
+    outer = OuterProducts(delta, x)
+    g = outer.materialize()
+    offsets = binning.bin_index(torch.linspace(-3, 3, 5 * 300, dtype=dtype), 6, -2.0, 2.0) * 31
+    chunks = [(outer, binning.count_1d, binning.torch_count_1d), (g, binning.count_1d,
+              binning.torch_count_1d), (outer, binning.count_2d, binning.torch_count_2d),
+              (g.reshape(7, -1), binning.count_2d, binning.torch_count_2d)]  # fmt: skip
+    try:
+        for chunk, count, torch_count in chunks:
+            is_1d = count is binning.count_1d
+            args = () if is_1d else (offsets, 31)
+            size = 31 if is_1d else 31 * 6
+            counted = []
+            for n_threads, kernel in ((3, count), (1, count), (3, torch_count)):
+                torch.set_num_threads(n_threads)
+                counts = torch.zeros(size, dtype=torch.int64)
+                kernel(chunk, *args, -1.0, 1.0, counts)
+                counted.append(counts)
+            assert binning._pools[os.getpid()][0] == 2  # the pool's workers: it did split
+            assert counted[0].sum() == g.numel()
+            for other in counted[1:]:
+                np.testing.assert_array_equal(counted[0].numpy(), other.numpy())
+    finally:
+        torch.set_num_threads(threads)
+
+
+COCKPIT_THEN_STEP = """
+import torch
+from avionics import Cockpit
+from avionics.quantities import GradHist1d, GradHist2d, binning
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+cockpit = Cockpit(model, [GradHist1d(), GradHist2d()])
+loaded = [list(kernel.signatures) for kernel in binning.KERNELS]
+X, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+losses = torch.nn.functional.cross_entropy(model(X), y, reduction="none")
+with cockpit(0, {"loss": losses.mean(), "individual_losses": losses, "batch_size": 8}):
+    losses.mean().backward()
+counts = cockpit.get_output()[0]["GradHist1d"]["hist"]
+print(all(loaded), [list(kernel.signatures) for kernel in binning.KERNELS] == loaded,
+      sum(counts) == 8 * sum(p.numel() for p in model.parameters()))
+"""
+
+
+def test_a_cockpit_with_a_histogram_loads_the_kernels_its_first_step_uses():
+    """Built in a fresh process, the Cockpit has loaded a signature of every kernel, and its
+    first tracked step (Linear layers' outer products, biases materialised; 1d and 2d) adds
+    none: it dispatches to what construction loaded."""
+    command = [sys.executable, "-c", COCKPIT_THEN_STEP]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "True", "True"], result.stdout
