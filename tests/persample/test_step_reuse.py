@@ -77,3 +77,25 @@ def test_rule_lookup_follows_a_class_whose_forward_is_replaced():
         Scaled.forward = original
     assert rule_for(layer, ["weight", "bias"]) is LinearRule
     assert rule_for(layer, ["weight", "other"]) is GenericRule
+
+
+def test_visitors_of_a_new_request_are_called_with_the_engine_index_not_the_last_ones():
+    torch.manual_seed(1)
+    model = Tokens().double()
+    engine, step, _, params = models.captured_engine_step(
+        model, torch.randint(0, 6, (3, 4)), torch.randint(0, 6, (3, 4)), seq_ce
+    )
+    first: dict[int, list] = {}
+    request = Request(visitors=(lambda k, c: first.setdefault(k, []).append(c),))
+    for _ in range(2):  # the same request twice: its indexed copy reused
+        first.clear()
+        step.statistics(request, {})
+        assert sorted(first) == list(range(len(params)))
+        for k, p in enumerate(params):
+            assert tuple(first[k][0].shape[1:]) == tuple(p.shape)
+    first.clear()
+    second: dict[int, int] = {}
+    step.statistics(Request(visitors=(lambda k, c: second.setdefault(k, len(c)),)), {})
+    assert second == {k: 3 for k in range(len(params))}
+    assert not first  # the previous request's visitor is not called
+    assert len(engine.indexed_requests) <= 4 * len(params) + len(params)

@@ -70,7 +70,8 @@ class EmbeddingRule(Rule):
 
     def statistics(self, requests: list[Request], directions) -> list[dict]:
         (request,) = requests
-        if request.visitors:
+        if request.visitors or not (request or directions[0]):
+            # (nothing asked: a contribution of a tied weight, materialised by the step)
             return super().statistics(requests, directions)
         out: dict = {}
         n, (rows, row_sample, row_token) = self.n, self._distinct_rows()
