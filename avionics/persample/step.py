@@ -175,7 +175,7 @@ class CapturedStep:
                         dirs.append({})
                     indices.append(k)
                 with self.engine.naming(rule.module):
-                    results = rule.statistics(_visitors_at(requests, indices), dirs)
+                    results = rule.statistics(self._visitors_at(requests, indices), dirs)
                 for k, result in zip(indices, results, strict=True):
                     if len(contributions[k]) == 1:
                         per_param[k] = result
@@ -194,6 +194,22 @@ class CapturedStep:
                 elif not pairs:
                     per_param[k] = _zero_statistics(params[k], request, directions, self.n, k)
         return _collect(per_param, request)
+
+    def _visitors_at(self, requests: list[Request], indices: list[int]) -> list[Request]:
+        """The requests with their visitors called with the engine's parameter index, not
+        the rule's. The copies are kept on the engine (:attr:`Routing.indexed_requests
+        <avionics.persample.routing.Routing>`): a cockpit asks the same request every step."""
+        kept = self.engine.indexed_requests
+        if len(kept) > 4 * len(self.engine.params):  # (requests that changed)
+            kept.clear()
+        out = []
+        for r, k in zip(requests, indices, strict=True):
+            if r.visitors:
+                if (r, k) not in kept:
+                    kept[r, k] = _reindexed(r, k)
+                r = kept[r, k]
+            out.append(r)
+        return out
 
     def totals(self):
         """Yield (k, sum_n g_n of one contribution of parameter k) for every contribution,
@@ -259,13 +275,6 @@ def _computing(v):
 
 def _unchanged(v):
     return v
-
-
-def _visitors_at(requests: list[Request], indices: list[int]) -> list[Request]:
-    """Visitors are called with the engine's parameter index, not the rule's."""
-    return [
-        r if not r.visitors else _reindexed(r, k) for r, k in zip(requests, indices, strict=True)
-    ]
 
 
 def _reindexed(request: Request, k: int) -> Request:

@@ -148,6 +148,10 @@ class Bilinear:
         """With shared axes (T > 1): the statistics by the plan chosen for the request (see
         :meth:`_plans`), either from materialised G_n or by the closed forms."""
         directions = {k: dense(v) for k, v in directions.items()}
+        if self.kernels is None and (request.visitors or request.sum_sq):
+            # only materialising G_n answers these, and without kernels of its own the layer
+            # has one way to (what _choose would pick, without building the plans each step)
+            return self._materialised(request, directions, index, UNFOLDED_GRADIENTS, 0, self.n)
         plans = self._plans(request, directions, index)
         if request.visitors:  # timed without them: they must see each sample once
             quiet = self._materialised_plans(

@@ -41,52 +41,59 @@ class EmbeddingRule(Rule):
         index, delta = torch.cat(idx, 1), torch.cat(ds, 1) * output_gradient_factor
         if module.padding_idx is not None:
             delta = delta.masked_fill((index == module.padding_idx).unsqueeze(-1), 0)
-        vocab = module.num_embeddings
-        sample = torch.arange(n, device=index.device).unsqueeze(1).expand_as(index)
-        keys, inverse = _distinct((sample * vocab + index).flatten())
-        # rows[u] = the gradient row of (sample, token) pair u, summed over its positions
-        self.rows = delta.new_zeros(len(keys), delta.shape[-1]).index_add_(
-            0, inverse, delta.flatten(0, 1)
-        )
-        self.row_sample, self.row_token = keys // vocab, keys % vocab
+        self.index, self.delta = index, delta  # [N, T] token ids, [N, T, D] their gradients
+        self._rows: tuple[Tensor, Tensor, Tensor] | None = None
+
+    def _distinct_rows(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(rows, row_sample, row_token): rows[u] is the gradient row of the u-th distinct
+        (sample, token) pair, summed over its positions (built on first use: materialising
+        needs none of it)."""
+        if self._rows is None:
+            index, delta, vocab = self.index, self.delta, self.module.num_embeddings
+            sample = torch.arange(self.n, device=index.device).unsqueeze(1).expand_as(index)
+            keys, inverse = _distinct((sample * vocab + index).flatten())
+            rows = delta.new_zeros(len(keys), delta.shape[-1]).index_add_(
+                0, inverse, delta.flatten(0, 1)
+            )
+            self._rows = rows, keys // vocab, keys % vocab
+        return self._rows
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:
-        weight = self.module.weight
-        out = self.rows.new_zeros(stop - start, *weight.shape)
-        # the rows of other samples add zeros to row 0 (no boolean mask: its size would be
-        # read on the host)
-        local = self.row_sample - start
-        keep = (local >= 0) & (local < stop - start)
-        rows = self.rows * keep.unsqueeze(1)
-        out.index_put_((local * keep, self.row_token), rows, accumulate=True)
-        return [out]
+        """G_n of samples start..stop-1: row i_{n,t} of G_n receives delta_{n,t}, by one
+        index_add over the chunk's positions (no distinct rows needed)."""
+        (vocab, width), samples = self.module.weight.shape, stop - start
+        index, delta = self.index[start:stop], self.delta[start:stop]
+        offsets = vocab * torch.arange(samples, device=index.device).unsqueeze(1)
+        out = delta.new_zeros(samples * vocab, width)
+        out.index_add_(0, (index + offsets).flatten(), delta.reshape(-1, width))
+        return [out.view(samples, vocab, width)]
 
     def statistics(self, requests: list[Request], directions) -> list[dict]:
         (request,) = requests
-        if request.visitors:
+        if request.visitors or not (request or directions[0]):
+            # (nothing asked: a contribution of a tied weight, materialised by the step)
             return super().statistics(requests, directions)
         out: dict = {}
-        n, rows = self.n, self.rows
+        n, (rows, row_sample, row_token) = self.n, self._distinct_rows()
         if request.sq_norms:
             out["sq_norms"] = rows.new_zeros(n).index_add_(
-                0, self.row_sample, torch.linalg.vector_norm(rows, dim=1).square()
+                0, row_sample, torch.linalg.vector_norm(rows, dim=1).square()
             )
         if directions[0]:
             out["projections"] = {
-                name: rows.new_zeros(n).index_add_(
-                    0, self.row_sample, (rows * v[self.row_token]).sum(1)
-                )
+                name: rows.new_zeros(n).index_add_(0, row_sample, (rows * v[row_token]).sum(1))
                 for name, v in directions[0].items()
             }
         if request.sum_sq:
             out["sum_sq"] = rows.new_zeros(self.module.weight.shape).index_add_(
-                0, self.row_token, rows.pow(2)
+                0, row_token, rows.pow(2)
             )
         return [out]
 
     def total(self) -> list[Tensor]:
-        total = self.rows.new_zeros(self.module.weight.shape)
-        return [total.index_add_(0, self.row_token, self.rows)]
+        # sum_n G_n: every position's gradient added to its token's row
+        total = self.delta.new_zeros(self.module.weight.shape)
+        return [total.index_add_(0, self.index.flatten(), self.delta.flatten(0, 1))]
 
 
 def _distinct(keys: Tensor) -> tuple[Tensor, Tensor]:

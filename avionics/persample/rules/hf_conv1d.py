@@ -30,9 +30,14 @@ HF_MODULE, HF_CLASS = "transformers.pytorch_utils", "Conv1D"
 def is_hf_conv1d(module: nn.Module) -> bool:
     """Whether ``module`` is a ``transformers.pytorch_utils.Conv1D`` running Conv1D's own
     forward (a subclass with its own forward is left to the generic rule)."""
+    return is_hf_conv1d_class(type(module))
+
+
+def is_hf_conv1d_class(kind: type) -> bool:
+    """:func:`is_hf_conv1d` of a module of class ``kind``."""
     defining = sys.modules.get(HF_MODULE)
     cls = getattr(defining, HF_CLASS, None)
-    return cls is not None and isinstance(module, cls) and type(module).forward is cls.forward
+    return cls is not None and issubclass(kind, cls) and kind.forward is cls.forward
 
 
 class HFConv1DRule(LinearRule):

@@ -79,9 +79,13 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
     valid = None if lengths is None else torch.arange(steps, device=x.device)[:, None] < lengths
     h0, c0 = _initial_state(module, call, x, n)
     directions = 2 if module.bidirectional else 1
+    # An LSTM's and an RNN's step reads a_t and c_t only through a_t + c_t, so dc_t = da_t:
+    # only a is tapped. A GRU's candidate gate reads r_t * c_t: its c_t are tapped too.
+    fused = module.mode != "GRU"
 
     taps: list[Tensor] = []  # the tensors whose gradients are da and dc
-    pairs: dict[str, tuple[Tensor, list[Tensor]]] = {}  # weight -> (its input, its taps)
+    # weight -> (its input, its taps, whether its delta is the taps' reversed in time)
+    pairs: dict[str, tuple[Tensor, list[Tensor], bool]] = {}
     finals, final_cells, layer_input = [], [], x
     for layer in range(module.num_layers):
         outputs = []
@@ -94,9 +98,10 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
             out: list[Tensor | None] = [None] * steps
             previous, cs = [], []
             for t in range(steps - 1, -1, -1) if direction else range(steps):
-                c = _tap(F.linear(h, w_hh, b_hh))
+                c = F.linear(h, w_hh, b_hh)
+                if not fused:
+                    cs.append(_tap(c))
                 previous.append(h)
-                cs.append(c)
                 h_new, cell_new = _cell(module.mode, a[t], c, h, cell)
                 if valid is not None:
                     h_new = torch.where(valid[t, :, None], h_new, h)
@@ -108,8 +113,10 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
             finals.append(h)
             final_cells.append(cell)
             taps += [a, *cs]
-            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), [a])
-            pairs[f"weight_hh{suffix}"] = (torch.stack(previous).detach(), cs)
+            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), [a], False)
+            # h_{t-1} in the order the steps were visited (reversed in time for direction 1)
+            hh_taps, reversed_time = (cs, False) if not fused else ([a], bool(direction))
+            pairs[f"weight_hh{suffix}"] = (torch.stack(previous).detach(), hh_taps, reversed_time)
         layer_input = torch.cat(outputs, -1)
 
     results = [layer_input, torch.stack(finals)] + ([torch.stack(final_cells)] if is_lstm else [])
@@ -117,10 +124,11 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
     grads = torch.autograd.grad(results, taps, gradients, allow_unused=True)
     by_tap = {id(t): torch.zeros_like(t) if g is None else g for t, g in zip(taps, grads)}
     factors = {}
-    for name, (inp, weight_taps) in pairs.items():
+    for name, (inp, weight_taps, reversed_time) in pairs.items():
         # c_t are stacked in the order the steps were visited, like their inputs h_{t-1}
         deltas = [by_tap[id(t)] for t in weight_taps]
         delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas)
+        delta = delta.flip(0) if reversed_time else delta
         factors[name] = (_per_sample(inp), _per_sample(delta))
     return factors
 
