@@ -76,7 +76,11 @@ class ActivationHessianOperator(CurvatureLinearOperator):
     by reverse-over-reverse differentiation. The forward pass and the first backward
     (d L / dZ, with its graph) are computed once, at construction; a product is one backward
     through d L / dZ for all columns together (``is_grads_batched``, ``chunk_size`` columns at
-    a time), which runs only the part of the graph between Z and the loss. The layers before
+    a time), which runs only the part of the graph between Z and the loss. For
+    CrossEntropyLoss, MSELoss and BCEWithLogitsLoss d L / dZ is the backward from the network
+    output f of the closed-form d L / df (e.g. kappa (softmax f - onehot y)), written with
+    elementwise ops and reductions whose backward is batched over the columns (log_softmax's
+    double backward is not: it loops over them). The layers before
     Z are constants of the Hessian: a module's output Z is replaced by a leaf in the forward,
     so their graph is not kept; a module's input Z is the tensor given to it, whose graph is kept
     (cutting it there would lose its uses outside the module, e.g. a residual connection),
