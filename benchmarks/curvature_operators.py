@@ -437,8 +437,12 @@ def with_table(section: str, heading: str, text: str) -> str:
 
 
 def with_problems(section: str, measured: str, problems: list[str]) -> str:
-    """``section`` with the tables of ``problems`` replaced by those of ``measured`` (the
-    output of :func:`run` for them); the other tables and the features stay."""
+    """``section`` with the tables of ``problems`` and the heading paragraph (the method)
+    replaced by those of ``measured`` (the output of :func:`run` for them); the other tables
+    and the features stay."""
+    heading = re.compile(r"\A.*?(?=\n+### )", re.S)
+    if heading.search(section):
+        section = heading.sub(lambda _: heading.search(measured).group(0), section, count=1)
     for name in problems:
         heading = f"### {name}"
         match = re.search(re.escape(heading) + r"\n.*?(?=\n+### |\s*\Z)", measured, re.S)
