@@ -8,8 +8,10 @@ exact product, V [D, K] -> H V [D, K]:
 * avionics: ``ActivationHessianOperator(...) @ V``;
 * curvlinops: ``ActivationHessianLinearOperator(...) @ V``;
 * the floor, by hand: the network split at Z into ``below`` and ``above``, Z = below(X)
-  computed without a graph, the rest run once from the leaf Z, g = d L / dZ with its graph,
-  and per product one batched backward through g (reverse-over-reverse, Pearlmutter 1994):
+  computed without a graph, the rest run once from the leaf Z, f = above(Z), g = d L / dZ
+  with its graph as the backward from f of the closed-form d L / df (as avionics does, so
+  that the second backward needs no loop over the columns through log_softmax), and per
+  product one batched backward through g (reverse-over-reverse, Pearlmutter 1994):
   H V = d (g . V) / dZ for all columns at once (``is_grads_batched``).
 
 Beside the floor, forward-over-reverse by torch.func (``vmap(jvp(grad(f)))`` with f the loss
@@ -77,12 +79,23 @@ CASES = {
 # ------------------------------------------------------------------------------------------
 
 
+def cross_entropy_gradient(f: Tensor, y: Tensor) -> Tensor:
+    """d L / df of the mean cross-entropy (class axis 1), (softmax(f) - onehot(y)) / y.numel(),
+    with softmax as exp(f - logsumexp f): elementwise ops and reductions, each batched in a
+    backward through it (log_softmax's own double backward loops over the columns)."""
+    one_hot = torch.nn.functional.one_hot(y, f.shape[1]).movedim(-1, 1).to(f.dtype)
+    return ((f - f.logsumexp(dim=1, keepdim=True)).exp() - one_hot) / y.numel()
+
+
 def double_backward_floor(below, above, loss_fn, X, y) -> Callable[[Tensor], Tensor]:
-    """V [D, K] -> H V by one batched backward through d L / dZ, built once here."""
+    """V [D, K] -> H V by one batched backward through d L / dZ, built once here as the
+    backward of the closed-form d L / df (every problem's loss is the mean cross-entropy)."""
+    assert isinstance(loss_fn, torch.nn.CrossEntropyLoss) and loss_fn.reduction == "mean"
     with torch.no_grad():
         Z = below(X)
     Z.requires_grad_()
-    (gradient,) = torch.autograd.grad(loss_fn(above(Z), y), Z, create_graph=True)
+    f = above(Z)
+    (gradient,) = torch.autograd.grad(f, Z, cross_entropy_gradient(f, y), create_graph=True)
 
     def product(V: Tensor) -> Tensor:
         K = V.shape[1]
@@ -182,7 +195,8 @@ def run(cases: list[str], repeat_scale: float) -> str:
         f"curvlinops {version('curvlinops-for-pytorch')}. CPU time in ms of one thread of a "
         f"product with {COLUMNS} columns (minimum over alternating repeats). The floor is one "
         "batched double backward through d L / dZ, built once by hand from the network cut "
-        "at Z (`benchmarks/activation_hessian.py`); forward-over-reverse is the other exact "
+        "at Z as the backward of the closed-form d L / df (`benchmarks/activation_hessian.py`); "
+        "forward-over-reverse is the other exact "
         f"way (torch.func). The products agree to {worst:.0e} (relative, float64, on "
         f"{CHECKED_CASE}). Targets: avionics / floor at most 1.25; curvlinops / avionics at "
         f"least 5 on the MLP at ('4', 'input', 0).\n\n{table(header, rows)}"

@@ -95,6 +95,32 @@ def output_hessian_product(loss_fn: nn.Module, output: Tensor, y: Tensor) -> Out
     return lambda u: hessian_product(u)[0]
 
 
+def differentiable_output_gradient(loss_fn, output: Tensor, y: Tensor) -> Tensor | None:
+    """d L / df at the batch output f, built from elementwise ops and reductions that stay in
+    the graph of f, for the losses whose gradient is known in closed form; else None.
+
+    CrossEntropyLoss kappa (softmax(f) - onehot(y)) on the class axis (axis 1), with softmax
+    written as exp(f - logsumexp(f)); MSELoss 2 kappa (f - y); BCEWithLogitsLoss
+    kappa (sigmoid(f) - y). A backward through it (a Hessian product, reverse over reverse) then
+    runs batched ops only, where the loss's own double backward (e.g. log_softmax's) has no
+    batched rule and loops over the columns.
+    """
+    if not (isinstance(output, Tensor) and isinstance(y, Tensor)) or getattr(
+        loss_fn, "reduction", None
+    ) not in ("mean", "sum"):
+        return None
+    if _is_plain_cross_entropy(loss_fn, y) and output.ndim >= 2 and y.ndim == output.ndim - 1:
+        probabilities = (output - output.logsumexp(dim=1, keepdim=True)).exp()
+        one_hot = nn.functional.one_hot(y, output.shape[1]).movedim(-1, 1).to(output.dtype)
+        return _kappa(loss_fn, y.numel()) * (probabilities - one_hot)
+    same_shape = y.shape == output.shape and y.dtype == output.dtype
+    if isinstance(loss_fn, nn.MSELoss) and same_shape:
+        return 2.0 * _kappa(loss_fn, output.numel()) * (output - y)
+    if _is_plain_bce(loss_fn) and same_shape:
+        return _kappa(loss_fn, output.numel()) * (output.sigmoid() - y)
+    return None
+
+
 def batch_generator(seed: int, batch_index: int, device: torch.device) -> torch.Generator:
     """The generator of the draws for batch ``batch_index`` of the data set (batches counted
     in data order; for data sharded across processes, over the shards in rank order).

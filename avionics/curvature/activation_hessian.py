@@ -21,6 +21,7 @@ from avionics.curvature._data import (
     forward_keeping_buffers,
 )
 from avionics.curvature._distributed import refuse_distributed
+from avionics.curvature._losses import differentiable_output_gradient
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.distributed import unwrap
 
@@ -75,7 +76,11 @@ class ActivationHessianOperator(CurvatureLinearOperator):
     by reverse-over-reverse differentiation. The forward pass and the first backward
     (d L / dZ, with its graph) are computed once, at construction; a product is one backward
     through d L / dZ for all columns together (``is_grads_batched``, ``chunk_size`` columns at
-    a time), which runs only the part of the graph between Z and the loss. The layers before
+    a time), which runs only the part of the graph between Z and the loss. For
+    CrossEntropyLoss, MSELoss and BCEWithLogitsLoss d L / dZ is the backward from the network
+    output f of the closed-form d L / df (e.g. kappa (softmax f - onehot y)), written with
+    elementwise ops and reductions whose backward is batched over the columns (log_softmax's
+    double backward is not: it loops over them). The layers before
     Z are constants of the Hessian: a module's output Z is replaced by a leaf in the forward,
     so their graph is not kept; a module's input Z is the tensor given to it, whose graph is kept
     (cutting it there would lose its uses outside the module, e.g. a residual connection),
@@ -145,10 +150,10 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         )  # fmt: skip
         self._X, self._y = batches[0]
         with MathAttention():
-            self._Z, loss = self._forward()
-            (self._loss_gradient,) = torch.autograd.grad(loss, self._Z, create_graph=True)
+            self._Z, output, loss = self._forward()
+            self._loss_gradient = self._gradient(output, loss)
             if check_deterministic:
-                Z, second_loss = self._forward()
+                Z, _, second_loss = self._forward()
                 if not (torch.equal(Z, self._Z) and torch.equal(second_loss, loss)):
                     raise RuntimeError(
                         "ActivationHessianOperator: two forward passes gave different values. "
@@ -158,8 +163,19 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         self.loss = loss.detach()
         super().__init__([self._Z.shape], [self._Z.shape], self._Z.dtype, self._Z.device)
 
-    def _forward(self) -> tuple[Tensor, Tensor]:
-        """Run the model, capturing Z (made differentiable if it is not), return Z and loss."""
+    def _gradient(self, output: Tensor, loss: Tensor) -> Tensor:
+        """d L / dZ with its graph: the backward of the closed-form d L / df from f to Z
+        where the loss has one (its graph then has batched ops only, so a product's batched
+        backward needs no loop over the columns), else the backward of the loss."""
+        with torch.enable_grad():
+            output_gradient = differentiable_output_gradient(self._loss_fn, output, self._y)
+        if output_gradient is None:
+            return torch.autograd.grad(loss, self._Z, create_graph=True)[0]
+        return torch.autograd.grad(output, self._Z, output_gradient, create_graph=True)[0]
+
+    def _forward(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Run the model, capturing Z (made differentiable if it is not), return Z, the
+        network output and the loss."""
         captured = []
 
         def select(values: tuple) -> Tensor:
@@ -199,14 +215,15 @@ class ActivationHessianOperator(CurvatureLinearOperator):
             handle = self._module.register_forward_hook(output_hook)
         try:
             with torch.enable_grad():
-                loss = self._loss_fn(forward_keeping_buffers(self._model, self._X), self._y)
+                output = forward_keeping_buffers(self._model, self._X)
+                loss = self._loss_fn(output, self._y)
         finally:
             handle.remove()
         if not captured:
             raise RuntimeError(
                 f"activation {self._activation}: the module was not called in the forward pass."
             )
-        return captured[-1], loss
+        return captured[-1], output, loss
 
     def _matmat(self, M: list[Tensor]) -> list[Tensor]:
         chunks = M[0].split(self._chunk_size or len(M[0]))  # columns [K, *Z]

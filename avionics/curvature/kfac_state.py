@@ -18,6 +18,8 @@ does not match.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -73,11 +75,12 @@ def check_state(operator, state) -> list[dict[str, Tensor]]:
                          f"({len(operator.blocks)}).")  # fmt: skip
     checked = [_check_block_factors(operator, block, entry, owner)
                for block, entry in zip(operator.blocks, factors)]  # fmt: skip
-    # one check of all factors, each distinct tensor once (a NaN or inf entry spreads into
-    # its tensor's sum); the block that has it is looked for only when there is one
+    # one check of all factors, each distinct tensor once, one host read: a NaN or inf entry
+    # spreads into its tensor's sum and into the sum of the sums (finite sums that overflow
+    # only send it to the search by block, which then finds nothing)
     distinct = {id(tensor): tensor for entry in checked for tensor in entry.values()}
-    sums = [tensor.sum() for tensor in distinct.values()]
-    if not bool(torch.isfinite(torch.stack(sums)).all()):
+    total = torch.stack([tensor.sum() for tensor in distinct.values()]).sum().item()
+    if not math.isfinite(total):
         for block, entry in zip(operator.blocks, checked):
             for key, tensor in entry.items():
                 if not bool(torch.isfinite(tensor).all()):

@@ -173,3 +173,44 @@ def test_the_benchmark_floor_and_curvlinops_agree_with_the_operator():
     from benchmarks.activation_hessian import AGREEMENT_RTOL, CHECKED_CASE, check_agreement
 
     assert check_agreement(CHECKED_CASE) <= AGREEMENT_RTOL
+
+
+def _loss_cases():
+    """(loss, labels) for each closed-form output gradient and for losses without one."""
+    generator = torch.Generator().manual_seed(1)
+    classes = torch.randint(0, 4, (6, 3), generator=generator)  # [N, T]: a sequence axis
+    ignored = classes.clone()
+    ignored[0, 1] = -100
+    targets = torch.rand(6, 4, 3, generator=generator, dtype=torch.float64)
+    return {
+        "cross-entropy, mean, sequence": (nn.CrossEntropyLoss(), classes),
+        "cross-entropy, sum": (nn.CrossEntropyLoss(reduction="sum"), classes),
+        "cross-entropy, an ignored label": (nn.CrossEntropyLoss(), ignored),
+        "cross-entropy, label smoothing": (nn.CrossEntropyLoss(label_smoothing=0.1), classes),
+        "MSE, mean": (nn.MSELoss(), targets),
+        "MSE, sum": (nn.MSELoss(reduction="sum"), targets),
+        "BCE with logits, mean": (nn.BCEWithLogitsLoss(), targets),
+        "BCE with logits, pos_weight": (
+            nn.BCEWithLogitsLoss(pos_weight=torch.full((3,), 2.0, dtype=torch.float64)),
+            targets,
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_loss_cases()))
+@pytest.mark.parametrize("activation", [("1", "input", 0), ("2", "output", 0)])
+def test_every_loss_against_the_autograd_hessian(case, activation):
+    """The closed-form d L / df (cross-entropy, MSE, BCE) and the loss's own backward (the
+    others) give the dense double-backward Hessian w.r.t. Z."""
+    loss_fn, y = _loss_cases()[case]
+    torch.manual_seed(0)
+    # [N, 5, T] -> Conv1d(5, 4, 1): the class / output axis 1, a sequence axis 2
+    model = nn.Sequential(nn.Conv1d(5, 4, 1), nn.Tanh(), nn.Conv1d(4, 4, 1)).double()
+    X = torch.randn(6, 5, 3, dtype=torch.float64)
+    A = ActivationHessianOperator(model, loss_fn, activation, [(X, y)])
+    if activation[1] == "input":
+        Z, above = model[0](X).detach(), model[1:]
+    else:
+        Z, above = model(X).detach(), nn.Identity()
+    expected = hessian(lambda z: loss_fn(above(z.view_as(Z)), y), Z.flatten())
+    torch.testing.assert_close(dense(A), expected)

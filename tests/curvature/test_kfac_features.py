@@ -303,6 +303,17 @@ def test_bad_states_are_refused_and_change_nothing():
         KFACOperator.from_state_dict(ekfac_state, model, loss_fn, None, data)
 
 
+def test_finite_factors_whose_sums_overflow_load():
+    """The finiteness check sums the factors: finite ones whose sum overflows are accepted."""
+    model, loss_fn, data, _ = problem("mlp")
+    K = KFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    state = K.state_dict()
+    huge = {**state, "factors": [dict(f) for f in state["factors"]]}
+    huge["factors"][0]["A"] = torch.full_like(state["factors"][0]["A"], 1e308)
+    K.load_state_dict(huge)
+    assert torch.equal(K.state_dict()["factors"][0]["A"], huge["factors"][0]["A"])
+
+
 def test_logdet_of_a_singular_factor_is_minus_infinity():
     """An input feature that is always 0: A has a zero row, det = 0, log det = -inf."""
     torch.manual_seed(0)
