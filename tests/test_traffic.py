@@ -4,7 +4,7 @@ own gradient all-reduce runs in its C++ reducer and is not among them), by calls
 
 Per tracked single-batch step of the economy preset on 2 processes: the two collectives of the
 step's agreement (issue 28: each process learns of one that raised in its block), which carry
-the batch sizes and losses too (W x 4 float64 at the backward's first gradient, W at the
+the batch sizes and losses too (W x 4 float64 when the backward starts, W at the
 block's end), and one packed all-reduce of the quantities' sums: 976 B in all (was 4
 collectives, 960 B, with the sizes and losses in a collective of their own). With unequal
 shards the global mean gradient, sum_r N_r g_r / N, is not DDP's average: the closing

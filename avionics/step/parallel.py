@@ -17,6 +17,7 @@ import time
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from avionics.distributed import World, sum_over_processes
 from avionics.step.batch import local, zeros_where_none
@@ -33,6 +34,10 @@ class DataParallel:
         self._no_sync = None  # DDP's no_sync(), while entered
         self._ddp_average: list[Tensor] | None = None
         self._gradient_sums: Tensor | None = None  # carried by the step's closing agreement
+
+    def leaves(self) -> list[Tensor]:
+        """The tensors the backward's gradients of the tracked parameters arrive at."""
+        return self.params
 
     def parameters(self) -> list[Tensor]:
         """The tracked parameters' values (this process's shards under FSDP), detached."""
@@ -225,10 +230,11 @@ ROW = ("raised", "batch size N_i", "loss L_i", "seconds since the last block")
 class Agreement:
     """Whether every process got through micro-batch ``index`` of ``step``'s block: each
     process takes part in the same small collectives (a row of :data:`ROW` per process,
-    summed), once at its backward's first gradient of a tracked parameter (before DDP's
-    collectives of that backward) and once when its block ends, normally or by an exception;
-    a process that has learnt of a failure takes part in no further one. So the processes
-    still running learn which rank raised, at which step, instead of a collective mismatch.
+    summed), once when its backward starts (the gradient of the loss, :meth:`hooks`: before
+    DDP's or FSDP's collectives of that backward) and once when its block ends, normally or
+    by an exception; a process that has learnt of a failure takes part in no further one. So
+    the processes still running learn which rank raised, at which step, instead of a
+    collective mismatch.
 
     The same collectives carry the micro-batch's size N_i and loss L_i (``loss``, ``n``) and
     the seconds since ``since`` (the end of the process's previous block, read at its first
@@ -289,9 +295,27 @@ class Agreement:
         tail = torch.tensor([seconds], dtype=torch.float64)
         return torch.cat([head.to(self.device), loss, tail.to(self.device)])
 
-    def first_gradient(self, grad: Tensor) -> None:
-        """A hook on each tracked parameter: at the backward's first gradient of one (before
-        DDP's hook of that parameter can start an all-reduce), raise if a process failed."""
+    def hooks(self, loss: Tensor, leaves: list[Tensor]) -> list[RemovableHandle]:
+        """Make the first agreement when the backward starts, and raise there if a process
+        failed: when its gradient arrives at ``loss`` (the block's ``info["loss"]``), before
+        any other hook on it runs, so before the backward reaches a layer and before every
+        collective of the backward (DDP's all-reduces; FSDP's pre-backward all-gathers, whose
+        hook sits on ``loss`` itself where the loss is an output of a fully_shard'ed
+        module); else, for a backward of another tensor than ``loss``, at the first gradient
+        of a tracked parameter (``leaves``: where the gradients arrive), before DDP's hook of
+        that parameter can start an all-reduce (under FSDP its pre-backward all-gathers come
+        before: backpropagate a multiple of ``info["loss"]`` itself)."""
+        handles = [leaf.register_hook(self._at_backward) for leaf in leaves]
+        if not loss.requires_grad:
+            return handles
+        handle = loss.register_hook(self._at_backward)
+        hooks = loss._backward_hooks  # the hooks run in its insertion order: ours first
+        others = [(key, hooks.pop(key)) for key in list(hooks) if key != handle.id]
+        hooks.update(others)
+        return [handle, *handles]
+
+    def _at_backward(self, grad: Tensor) -> None:
+        """The first agreement, once (see :meth:`hooks`)."""
         if not self.backward_agreed:
             self.backward_agreed = True
             self.raise_if_failed(self.agree(False))
