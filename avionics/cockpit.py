@@ -250,7 +250,7 @@ class Cockpit:
                 step, micro_batch, self.params, self._world, entry.loss, entry.n, self._since
             )
             agreement.closing = partial(self._processes.closing, entry)
-            handles += [p.register_hook(agreement.first_gradient) for p in self.params]
+            handles += agreement.hooks(entry.info["loss"], self._processes.leaves())
         with self._interruptible(step, capture, agreement):
             try:
                 yield self
