@@ -260,10 +260,12 @@ class Cockpit:
                         handle.remove()
                 if capture is not None:
                     capture.stop_recording()
-            if agreement is not None:
+            # (held for the quantities' sums where they can travel in it, see DataParallel.defer)
+            if agreement is not None and not self._processes.defer(agreement, entry, part):
                 agreement.raise_if_failed(agreement.agree(False, part))
-                part.ranks = agreement.ranks
                 self._processes.carried(agreement.carried)
+            if agreement is not None:
+                part.ranks = agreement.ranks
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -373,7 +375,7 @@ class Cockpit:
     def _finish_step(self, entry: Entry, parts: list[Part]) -> dict:
         """The step's values, from its micro-batches (the last one has left its block); the
         cockpit armed for the next step, also when this one raises."""
-        combined = None
+        combined, raised = None, True
         try:
             if entry.single:
                 graph = any(q.create_graph for q in entry.active)
@@ -383,6 +385,7 @@ class Cockpit:
                 combined = accumulated(parts, self.params, self._engine)
             values = self._values(entry, parts, combined)
             add_learning_rates(values, entry.step, entry.info)
+            raised = False
         except BaseException:
             self._drop_pending()
             raise
@@ -393,6 +396,8 @@ class Cockpit:
                 if p.capture is not None:
                     p.capture.release()
             self._done(entry.step)
+            if self._world.size > 1:  # the closing agreement, where no add made it
+                self._processes.settle(raised)
         return values
 
     def _values(self, entry: Entry, parts: list[Part], combined: Combined) -> dict:
