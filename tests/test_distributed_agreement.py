@@ -82,3 +82,46 @@ def test_a_rank_raising_before_its_backward_is_named_on_every_rank(tmp_path, wra
         for name in ("Loss", "GradNorm", "NormTest"):
             torch.testing.assert_close(values0[step][name], values1[step][name], rtol=0, atol=0)
             assert torch.isfinite(torch.as_tensor(values0[step][name])).all()
+
+
+class NormTestFailingOnRank1(quantities.NormTest):
+    """The norm test, but for rank 1's sums at step FAILING, which raise (a user's instrument
+    failing on one process, after every block ended)."""
+
+    def sums(self, data):
+        if data.parallel.world.rank == 1 and data.step == FAILING + 1:
+            raise ValueError("the instrument's own error")
+        return super().sums(data)
+
+
+def raising_while_computing(rank, world):
+    """Under DDP with equal shards (the sums ride in the held closing agreement): rank 1 raises
+    while computing its values; every process goes on."""
+    network, X, y, loss_fn = models.mlp(n=6)
+    model = nn.parallel.DistributedDataParallel(WithLoss(network, loss_fn))
+    cockpit = Cockpit(model, [quantities.Loss(), NormTestFailingOnRank1()])
+    X, y = X[3 * rank : 3 * rank + 3], y[3 * rank : 3 * rank + 3]
+    outcomes = []
+    for step in range(STEPS):
+        losses = model(X, y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+        try:
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        except (ValueError, RuntimeError) as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+            continue
+        outcomes.append("tracked")
+    cockpit.close()
+    return outcomes, sorted(cockpit.get_output())
+
+
+def test_a_rank_raising_while_computing_its_values_is_named_on_every_rank(tmp_path):
+    (outcomes0, steps0), (outcomes1, steps1) = on_ranks(raising_while_computing, 2, tmp_path)
+    failing = FAILING + 1  # (the step after the room for the sums is learnt)
+    assert outcomes1[failing] == "ValueError: the instrument's own error"
+    assert outcomes0[failing].startswith(
+        f"RuntimeError: Step {failing}, micro-batch 0: the process(es) of rank 1 raised"
+    )
+    assert [o for s, o in enumerate(outcomes0) if s != failing] == ["tracked"] * (STEPS - 1)
+    assert steps0 == steps1 == sorted(set(range(STEPS)) - {failing})
