@@ -317,7 +317,13 @@ def report(problem: str, result: dict) -> str:
         "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
         "that read them (none in this mlp), two all-gathers of the parameters' size, of the "
         "directions the per-sample statistics project onto (the mean gradient at the step, "
-        "Alpha's update when optimizer.step() returns), and a few small all-reduces.",
+        "Alpha's update when optimizer.step() returns), and a few small all-reduces. Alpha's "
+        "update cannot be left sharded: its observations' variances need each sample's "
+        "projection g_n . s, and process r holds g_n whole for its own samples only, s for "
+        "its own rows only (the other rows' part of g_n . s would need the other samples' "
+        "layer inputs and output gradients gathered instead, more than the parameters for "
+        "a sequence model). The two gathers could share one collective (s gathered with the "
+        "next step's mean gradient), not fewer bytes.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small): every "
