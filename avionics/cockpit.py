@@ -301,8 +301,6 @@ class Cockpit:
             )
         for q in active:
             entry.request = entry.request | q.request(step)
-        if not entry.single and entry.index == 0:
-            checks.check_accumulable(step, self._sharded)
         entry.reduction, entry.n = checks.check_info(step, info, active)
         if not entry.single:
             checks.check_micro_batch_info(
