@@ -257,7 +257,7 @@ class Cockpit:
                 step, micro_batch, self.params, self._world, entry.loss, entry.n, self._since
             )
             agreement.closing = partial(self._processes.closing, entry)
-            handles += [p.register_hook(agreement.first_gradient) for p in self.params]
+            handles += agreement.hooks(entry.info["loss"], self._processes.leaves())
         with self._interruptible(step, capture, agreement):
             try:
                 yield self
@@ -267,10 +267,12 @@ class Cockpit:
                         handle.remove()
                 if capture is not None:
                     capture.stop_recording()
-            if agreement is not None:
+            # (held for the quantities' sums where they can travel in it, see DataParallel.defer)
+            if agreement is not None and not self._processes.defer(agreement, entry, part):
                 agreement.raise_if_failed(agreement.agree(False, part))
-                part.ranks = agreement.ranks
                 self._processes.carried(agreement.carried)
+            if agreement is not None:
+                part.ranks = agreement.ranks
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -306,8 +308,6 @@ class Cockpit:
             )
         for q in active:
             entry.request = entry.request | q.request(step)
-        if not entry.single and entry.index == 0:
-            checks.check_accumulable(step, self._sharded)
         entry.reduction, entry.n = checks.check_info(step, info, active)
         if not entry.single:
             checks.check_micro_batch_info(
@@ -380,7 +380,7 @@ class Cockpit:
     def _finish_step(self, entry: Entry, parts: list[Part]) -> dict:
         """The step's values, from its micro-batches (the last one has left its block); the
         cockpit armed for the next step, also when this one raises."""
-        combined = None
+        combined, raised = None, True
         try:
             if entry.single:
                 graph = any(q.create_graph for q in entry.active)
@@ -390,6 +390,7 @@ class Cockpit:
                 combined = accumulated(parts, self.params, self._engine)
             values = self._values(entry, parts, combined)
             add_learning_rates(values, entry.step, entry.info)
+            raised = False
         except BaseException:
             self._drop_pending()
             raise
@@ -400,6 +401,8 @@ class Cockpit:
                 if p.capture is not None:
                     p.capture.release()
             self._done(entry.step)
+            if self._world.size > 1:  # the closing agreement, where no add made it
+                self._processes.settle(raised)
         return values
 
     def _values(self, entry: Entry, parts: list[Part], combined: Combined) -> dict:

@@ -317,7 +317,13 @@ def report(problem: str, result: dict) -> str:
         "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
         "that read them (none in this mlp), two all-gathers of the parameters' size, of the "
         "directions the per-sample statistics project onto (the mean gradient at the step, "
-        "Alpha's update when optimizer.step() returns), and a few small all-reduces.",
+        "Alpha's update when optimizer.step() returns), and a few small all-reduces. Alpha's "
+        "update cannot be left sharded: its observations' variances need each sample's "
+        "projection g_n . s, and process r holds g_n whole for its own samples only, s for "
+        "its own rows only (the other rows' part of g_n . s would need the other samples' "
+        "layer inputs and output gradients gathered instead, more than the parameters for "
+        "a sequence model). The two gathers could share one collective (s gathered with the "
+        "next step's mean gradient), not fewer bytes.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small): every "
@@ -344,12 +350,16 @@ def report(problem: str, result: dict) -> str:
     lines += [
         "",
         "Every tracked step of several processes makes two small collectives of its agreement "
-        "(issue 28: each process learns of one that raised in its block, at the backward's "
-        "first gradient, before DDP's all-reduces, and at the block's end); the first carries "
-        "each process's batch size, loss and step time (4 float64 per process), the second a "
-        "flag per process. The quantities' sums then travel in one packed all-reduce. With "
-        "unequal shards the global mean gradient sum_r N_r g_r / N is not DDP's average (1/W) "
-        "sum_r g_r: the closing agreement carries the gradient sums too (float64, P numbers "
+        "(issue 28: each process learns of one that raised in its block, when the backward's "
+        "gradient reaches the loss, before DDP's all-reduces and FSDP's all-gathers, and at "
+        "the block's end); the first carries each process's batch size, loss and step time "
+        "(4 float64 per process), the second a flag per process and, under DDP with equal "
+        "shards, the quantities' sums: that closing agreement is held until they are made, "
+        "and a process that raised sends zeros in their room, whose size every process knows "
+        "from the last step with the same active quantities (the first such step, and one "
+        "whose sums outgrow the room, such as Alpha's first end, sends them apart). With "
+        "unequal shards the global mean gradient sum_r N_r g_r / N is not DDP's average "
+        "(1/W) sum_r g_r: the closing agreement carries the gradient sums (float64, P numbers "
         "beside the flags). Under DDP's no_sync() (the "
         "curvature steps) one parameter-sized all-reduce is the gradient's, which replaces "
         f"DDP's; each Hessian-vector product adds one parameter-sized all-reduce of float64 "
@@ -366,9 +376,12 @@ def report(problem: str, result: dict) -> str:
         f"Target: one collective per tracked economy step: "
         f"{len(communication['economy'])} with equal shards, "
         f"{len(communication['economy, unequal shards'])} with unequal ones, not met as "
-        "stated: the values share the agreement's two collectives, which a process that "
-        "raised must be able to join without knowing the step's sums (their size), and the "
-        "first of which must come before DDP's all-reduces.",
+        "stated: the failure agreement's first collective must come before the backward's "
+        "collectives (else the others wait in DDP's all-reduce for a process that raised "
+        "before its backward until the group's timeout), and the sums exist only after the "
+        "backward, so two is the least that keeps it; with unequal shards the per-sample "
+        "statistics need the global mean gradient, whose sums (in the closing agreement) "
+        "must be added before the statistics' sums exist: three.",
         "",
         "The per-rank view's way (median seconds per step's exchange on this gloo group): "
         "each process's numbers in its slots of the step's one all_reduce, or an all_gather "

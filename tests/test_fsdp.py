@@ -2,7 +2,8 @@
 quantity of the "economy" and "transformer" presets (but PreconditionedSharpness, refused by
 name with the other curvature quantities) equals one process run on the concatenated batch
 (float64), with equal and unequal per-process batches, the root alone or also its blocks
-sharded, 2 and 3 gloo processes (avionics.step.sharded)."""
+sharded, gradient accumulation (micro-batches, FSDP's gradient sync off or on for the earlier
+ones), 2 and 3 gloo processes (avionics.step.sharded)."""
 
 from __future__ import annotations
 
@@ -43,8 +44,12 @@ def shard(model, nested: bool):
     return model
 
 
-def one_rank(rank, world, architecture, names, sizes, nested, log, reduction="mean"):
-    """One process of an FSDP2 run: its shard of each batch; FSDP averages the gradients."""
+def one_rank(
+    rank, world, architecture, names, sizes, nested, log, reduction="mean", micro=1, sync=False
+):
+    """One process of an FSDP2 run: its shard of each batch, in ``micro`` micro-batches
+    (gradient accumulation, FSDP's gradient sync off on all but the last unless ``sync``:
+    FSDP's default, a reduce-scatter after each); FSDP averages the gradients."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
     shard(model, nested)
     cockpit = Cockpit(model, make_quantities(names), log=log)
@@ -52,23 +57,35 @@ def one_rank(rank, world, architecture, names, sizes, nested, log, reduction="me
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         X, y = split(X, sizes, rank), split(y, sizes, rank)
         opt.zero_grad()
-        losses = loss_fn(model(X), y)
-        loss = reduced(losses, reduction)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
-        with cockpit(step, info=info):
-            loss.backward()
+        parts = list(zip(X.tensor_split(micro), y.tensor_split(micro)))
+        for i, (Xi, yi) in enumerate(parts):
+            model.set_requires_gradient_sync(sync or i == len(parts) - 1)
+            losses = loss_fn(model(Xi), yi)
+            loss = reduced(losses, reduction)
+            info = {"loss": loss, "individual_losses": losses, "batch_size": len(Xi)}
+            info["optimizer"] = opt
+            # the process's gradient is its shard's: each micro-batch weighs by its share
+            share = len(Xi) / len(X) if reduction == "mean" else 1.0
+            micro_batch = {"micro_batch": i, "micro_batches": len(parts)} if micro > 1 else {}
+            with cockpit(step, info=info, **micro_batch):
+                (share * loss).backward()
         opt.step()
     cockpit.close()
     return cockpit.get_output(), [p.full_tensor().detach().clone() for p in model.parameters()]
 
 
-def scenarios_on_ranks(rank, world, scenarios, tmp):
-    """Every scenario and, on 2 processes, the refusals, in one spawn (starting processes is
-    what costs)."""
-    outputs = [
+def runs_on_rank(rank, world, scenarios, tmp):
+    """This process's (values, final parameters) of every scenario, in one spawn (starting
+    processes is what costs)."""
+    return [
         one_rank(rank, world, *scenario[:4], f"{tmp}/{k}/run", *scenario[4:])
         for k, scenario in enumerate(scenarios)
     ]
+
+
+def scenarios_on_ranks(rank, world, scenarios, tmp):
+    """Every scenario and, on 2 processes, the refusals, in one spawn."""
+    outputs = runs_on_rank(rank, world, scenarios, tmp)
     return outputs, refusals_on_rank(rank, world) if world == 2 else None
 
 
@@ -87,7 +104,8 @@ def spawned(tmp_path_factory):
 
 
 # (architecture, quantity names, per-process batch sizes, blocks sharded too, the loss's
-# reduction when it is not the mean)
+# reduction when it is not the mean, the micro-batches of each process's shard, and whether
+# FSDP reduce-scatters the gradients after each micro-batch)
 SCENARIOS = {
     2: [
         ("mlp", ECONOMY, (3, 3), False),
@@ -102,16 +120,34 @@ SCENARIOS = {
     ],
     3: [("mlp", ECONOMY, (3, 2, 4), True), ("transformer", TRANSFORMER, (2, 2, 2), True)],
 }
+# gradient accumulation on 2 processes (a spawn of its own, bounded in time as each)
+ACCUMULATION = [
+    ("mlp", ECONOMY, (4, 4), True, "mean", 2),
+    ("cnn", ECONOMY, (4, 4), False, "sum", 2, True),
+    ("transformer", ECONOMY, (4, 4), True, "mean", 2),
+    ("mlp", ECONOMY, (5, 3), False, "mean", 2),
+]
 
 
 @pytest.mark.parametrize("world", sorted(SCENARIOS))
 def test_every_quantity_is_the_global_batch_s_under_fsdp2(spawned, world):
     tmp_path, results = spawned(world)
-    for k, (architecture, names, sizes, _, *rest) in enumerate(SCENARIOS[world]):
+    assert_runs_are_one_process_s(SCENARIOS[world], [r[0] for r in results], tmp_path)
+
+
+def test_accumulated_micro_batches_are_the_global_batch_s_under_fsdp2(tmp_path):
+    results = on_ranks(runs_on_rank, 2, tmp_path, ACCUMULATION, str(tmp_path))
+    assert_runs_are_one_process_s(ACCUMULATION, results, tmp_path)
+
+
+def assert_runs_are_one_process_s(scenarios, results, tmp_path):
+    """Every process's values and final parameters of each scenario (results[rank][k]) are
+    one process's on the global batch; rank 0's log has its steps."""
+    for k, (architecture, names, sizes, _, *rest) in enumerate(scenarios):
         reduction = rest[0] if rest else "mean"
         expected, params = single_process(architecture, names, sizes, reduction)
-        for rank in range(world):
-            output, final = results[rank][0][k]
+        for rank in range(len(sizes)):
+            output, final = results[rank][k]
             assert_equal_outputs(output, expected)
             for p, q in zip(final, params):
                 torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12)

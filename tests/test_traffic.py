@@ -4,11 +4,12 @@ own gradient all-reduce runs in its C++ reducer and is not among them), by calls
 
 Per tracked single-batch step of the economy preset on 2 processes: the two collectives of the
 step's agreement (issue 28: each process learns of one that raised in its block), which carry
-the batch sizes and losses too (W x 4 float64 at the backward's first gradient, W at the
-block's end), and one packed all-reduce of the quantities' sums: 976 B in all (was 4
-collectives, 960 B, with the sizes and losses in a collective of their own). With unequal
+the batch sizes and losses (W x 4 float64 when the backward starts) and, at the block's end,
+W flags and the quantities' sums (the closing agreement held until they are made; a process
+that raised sends zeros of their size, known from the last step with the same active
+quantities): 2 collectives (were 3: the sums in an all-reduce of their own). With unequal
 shards the global mean gradient, sum_r N_r g_r / N, is not DDP's average: the closing
-agreement carries the gradient sums too (was a fifth collective).
+agreement carries the gradient sums, and the sums travel apart (3).
 """
 
 from __future__ import annotations
@@ -123,16 +124,60 @@ def two_processes(tmp_path_factory):
 
 def check_equal_shards(results, world):
     for calls, _, devices, _ in results:
-        assert [name for name, _ in calls] == ["all_reduce"] * 3
-        first, closing, _ = (size for _, size in calls)
+        assert [name for name, _ in calls] == ["all_reduce"] * 2
+        first, closing = (size for _, size in calls)
         assert first == world * 4 * 8  # (raised, N_r, L_r, seconds) per process, float64
-        assert closing == world * 8  # the block's end: raised, per process
+        assert closing > world * 8  # the block's end: raised per process, and the sums
         assert sum(size for _, size in calls) <= BYTES_BEYOND_GRADIENTS
         assert devices == {"cpu"}  # the parameters' device (NCCL: the CUDA tensors)
 
 
-def test_economy_sends_three_small_all_reduces_with_equal_shards(two_processes):
+def test_economy_sends_two_small_all_reduces_with_equal_shards(two_processes):
     check_equal_shards(two_processes[0], 2)
+
+
+def first_step_s_collectives(rank, world, steps):
+    """The collectives of each tracked step: the first with a set of active quantities
+    makes the sums' all-reduce apart (the room for them in the closing agreement is learnt
+    then), the later ones carry them in the closing agreement."""
+    model, X, y, loss_fn = models.mlp(n=6)
+    X, y = X[3 * rank : 3 * rank + 3], y[3 * rank : 3 * rank + 3]
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, configuration("economy"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    counted, per_step = Counted(), []
+    try:
+        for step in range(steps):
+            counted.on, counted.calls = True, []
+            opt.zero_grad()
+            losses = loss_fn(forward(X), y)
+            info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+            info["optimizer"] = opt
+            with cockpit(step, info=info):
+                losses.mean().backward()
+            counted.on = False
+            per_step.append([size for _, size in counted.calls])
+            opt.step()
+    finally:
+        counted.close()
+    cockpit.close()
+    return per_step, cockpit.get_output()
+
+
+def test_the_sums_ride_in_the_closing_agreement_from_the_second_step_on(tmp_path):
+    (steps0, values0), (steps1, values1) = on_ranks(first_step_s_collectives, 2, tmp_path, 4)
+    assert steps0 == steps1
+    first, second, *later = steps0
+    assert len(first) == 3 and first[:2] == [2 * 4 * 8, 2 * 8]  # the room learnt here
+    # step 1 ends Alpha's first start (its projections onto the update at both ends): more
+    # sums than at step 0, which travel apart once more; from then on, in the closing
+    assert second[:2] == [2 * 4 * 8, 2 * 8 + first[2]] and second[2] > first[2]
+    for sizes in later:
+        assert sizes == [2 * 4 * 8, 2 * 8 + second[2]]  # the flags and the sums
+    assert sorted(values0) == sorted(values1) == [0, 1, 2, 3]
+    for step, values in values0.items():
+        assert values["Loss"] == values1[step]["Loss"]
+        assert values["NormTest"] == values1[step]["NormTest"]
 
 
 def test_with_three_processes_too(tmp_path):
@@ -151,13 +196,13 @@ def test_unequal_shards_carry_the_gradient_sums_in_the_closing_agreement(two_pro
 
 def test_loss_alone_sends_the_agreement_only(two_processes):
     for calls, _, _, values in two_processes[2]:
-        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8]
+        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8]  # (no sums: an empty room)
         assert "Loss" in values
 
 
 def test_the_per_rank_view_adds_one_number_per_process_to_the_packed_sums(two_processes):
     for calls, _, _, values in two_processes[3]:
-        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8, 2 * 8]  # ||g_r||^2 per rank
+        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8 + 2 * 8]  # ||g_r||^2 per rank
         assert sorted(values["Ranks"]) == ["batch_size", "grad_norm", "loss", "step_time"]
 
 

@@ -20,7 +20,7 @@ class Ranks(Quantity):
       mean loss (before any all-reduce: the gradient that process alone would have);
     * ``batch_size``: N_r;
     * ``step_time``: the seconds from the end of its previous ``with cockpit(...)`` block to
-      its first agreement of this step (at the first gradient of its backward): its optimizer
+      its first agreement of this step (when its backward starts): its optimizer
       step, data loading and forward, the part of a step that no collective waits in (the
       backward's all-reduces make every process wait for the slowest). Host time: on a GPU,
       the time to launch that work unless the loop synchronises.

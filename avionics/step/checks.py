@@ -103,16 +103,6 @@ def check_micro_batch(acc: Accumulation | None, step, i, k) -> Accumulation | No
     return acc
 
 
-def check_accumulable(step: int, sharded: bool) -> None:
-    """Micro-batches are of parameters that each process holds whole."""
-    if sharded:
-        raise ValueError(
-            f"Step {step}: micro_batches > 1 with FSDP's sharded parameters is not "
-            "supported; track one batch per optimizer step (micro_batches=1) under FSDP, "
-            "or accumulate under DistributedDataParallel."
-        )
-
-
 def check_info(step: int, info, active: list) -> tuple[str, int | None]:
     """``info`` holds what the active quantities read, as they read it (each quantity's own
     check too); returns how the loss reduces the per-sample losses, and N (None if unknown)."""

@@ -5,7 +5,8 @@ over every process: the global batch's loss and sizes (carried by the step's agr
 :class:`Agreement`, whose collectives every tracked block makes to learn of a process that
 raised: no collective of their own), the global gradient (DDP's average where it is the
 global mean's, else one all-reduce of the processes' gradient sums), the quantities' sums
-added in one packed all-reduce, and, for a step run in DDP's ``no_sync()`` (one that
+added in one packed all-reduce (under DDP with equal batches, in the step's closing agreement,
+held for them: :meth:`DataParallel.defer`), and, for a step run in DDP's ``no_sync()`` (one that
 differentiates the gradient again, which DDP refuses), DDP's average made by the cockpit.
 Parameters sharded by FSDP2 (``fully_shard``): :class:`avionics.step.sharded.Sharded`, which
 extends it.
@@ -14,9 +15,11 @@ extends it.
 from __future__ import annotations
 
 import time
+from contextlib import suppress
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
 
 from avionics.distributed import World, sum_over_processes
 from avionics.step.batch import local, zeros_where_none
@@ -33,6 +36,16 @@ class DataParallel:
         self._no_sync = None  # DDP's no_sync(), while entered
         self._ddp_average: list[Tensor] | None = None
         self._gradient_sums: Tensor | None = None  # carried by the step's closing agreement
+        self._gradient_carried = False  # whether the last closing agreement carried them
+        # float64 numbers of the quantities' sums at the last step of each set of active
+        # quantities that every process finished: the room its closing agreement keeps for them
+        self._sums_room: dict[tuple[str, ...], int] = {}
+        self._deferred: tuple[Agreement, Entry, Part] | None = None  # a closing held for add
+        self._riding: Tensor | None = None  # the sums packed into the closing being made
+
+    def leaves(self) -> list[Tensor]:
+        """The tensors the backward's gradients of the tracked parameters arrive at."""
+        return self.params
 
     def parameters(self) -> list[Tensor]:
         """The tracked parameters' values (this process's shards under FSDP), detached."""
@@ -114,28 +127,79 @@ class DataParallel:
         return [s / total for s in sums] if reduction == "mean" else sums
 
     def closing(self, entry: Entry, part: Part | None, sizes: list[int]) -> list[Tensor]:
-        """What a block's closing agreement carries besides the flags: this process's gradient
-        sums sum_n grad l_n (N_r g_r for a mean; c divided out), as one flat float64 tensor,
-        at a single-batch step whose global gradient is not DDP's average (unequal batches, or
-        no DDP) outside no_sync, so that the gradient needs no all-reduce of its own; zeros of
-        that size from a process that raised (``part`` None); [] at any other step. Every
-        process decides alike, from every process's N_r (``sizes``)."""
-        if not entry.single or self.sharded or self._no_sync is not None:
-            return []
-        if self.ddp is not None and len(set(sizes)) == 1:
-            return []
+        """What a block's closing agreement carries besides the flags (``part`` None from a
+        process that raised, which sends zeros of the same sizes; every process decides
+        alike, from every process's N_r, ``sizes``, and the step's active quantities):
+
+        * the gradient sums sum_n grad l_n (N_r g_r for a mean; c divided out), one flat
+          float64 tensor, at a single-batch step whose global gradient is not DDP's average
+          (unequal batches, or no DDP) outside no_sync, so that the gradient needs no
+          all-reduce of its own;
+        * at a step whose closing can wait for the quantities' sums (:meth:`_can_ride`),
+          the room for them: as many float64 numbers as the sums of the last step with the
+          same active quantities (:meth:`add` packs them in where they fit)."""
+        single = entry.single and not self.sharded and self._no_sync is None
+        self._gradient_carried = single and (self.ddp is None or len(set(sizes)) != 1)
+        carried = []
+        if self._gradient_carried:
+            carried.append(self._gradient_sum(entry, part, sizes))
+        if self._can_ride(entry, sizes):
+            room = self._sums_room.get(_names(entry), 0)
+            riding = self._riding if part is not None else None
+            if riding is None:
+                device = local(self.params[0]).device
+                riding = torch.zeros(room, dtype=torch.float64, device=device)
+            carried.append(riding)
+        return carried
+
+    def _gradient_sum(self, entry: Entry, part: Part | None, sizes: list[int]) -> Tensor:
+        """This process's gradient sums, flat float64 (zeros from a process that raised)."""
         if part is None:
             count = sum(local(p).numel() for p in self.params)
-            return [torch.zeros(count, dtype=torch.float64, device=local(self.params[0]).device)]
+            return torch.zeros(count, dtype=torch.float64, device=local(self.params[0]).device)
         c = part.scale()
         weight = sizes[self.world.rank] if entry.reduction == "mean" else 1
         gradients = zeros_where_none([unscaled(g, c) for g in part.gradients], self.params)
-        return [torch.cat([(g * weight).reshape(-1).to(torch.float64) for g in gradients])]
+        return torch.cat([(g * weight).reshape(-1).to(torch.float64) for g in gradients])
+
+    def _can_ride(self, entry: Entry, sizes: list[int]) -> bool:
+        """Whether the step's quantities' sums can travel in its closing agreement: a single
+        batch under DDP with equal batches outside no_sync (the gradient is DDP's average,
+        no collective before the sums), no quantity that differentiates the gradient again
+        or adds over the processes itself."""
+        if not entry.single or self.sharded or self.ddp is None or self._no_sync is not None:
+            return False
+        if len(set(sizes)) != 1:
+            return False
+        return not any(q.create_graph or q.adds_over_processes for q in entry.active)
+
+    def defer(self, agreement: Agreement, entry: Entry, part: Part) -> bool:
+        """Hold the block's closing agreement for :meth:`add` (which then carries the sums in
+        it) where the sums can ride (:meth:`_can_ride`, the first agreement made); the step
+        makes no collective before it. False: make it now."""
+        if agreement.sizes is None or not self._can_ride(entry, agreement.sizes):
+            return False
+        self._deferred = agreement, entry, part
+        return True
+
+    def settle(self, raised: bool) -> None:
+        """Make the held closing agreement, if :meth:`add` did not (a step whose values were
+        skipped, or that raised here: ``raised``, which the others learn), with its room
+        for the sums empty."""
+        if self._deferred is None:
+            return
+        agreement, _, part = self._deferred
+        self._deferred = None
+        if raised:  # (the error that raised goes on; the group may be broken already)
+            with suppress(Exception):
+                agreement.agree(True)
+            return
+        agreement.raise_if_failed(agreement.agree(False, part))
 
     def carried(self, summed: list[Tensor]) -> None:
         """Keep the gradient sums the block's closing agreement carried (see :meth:`closing`;
         none: the step all-reduces them itself)."""
-        self._gradient_sums = summed[0] if summed else None
+        self._gradient_sums = summed[0] if summed and self._gradient_carried else None
 
     def local_gradients(self, combined: Combined) -> list[Tensor] | None:
         """This process's gradient of its own loss, before any all-reduce (None where the
@@ -149,23 +213,56 @@ class DataParallel:
 
     def finite(self, gradients: list[Tensor | None]) -> bool:
         """Whether every process's gradients are finite (one host transfer; one collective
-        of a number)."""
+        of a number, after the held closing agreement)."""
         flag = torch.tensor([0.0 if all_finite(gradients) else 1.0], dtype=torch.float64)
         if self.world.size > 1:
+            self.settle(False)
             (flag,) = sum_over_processes([flag], self.world)
         return bool(flag == 0)
 
     def add(self, sums: dict[str, dict[str, Tensor]]) -> dict[str, dict[str, Tensor]]:
-        """The quantities' sums added over the processes, in one packed all-reduce."""
+        """The quantities' sums added over the processes: in the step's closing agreement
+        where it was held for them (:meth:`defer`) and they fit in its room, else in one
+        packed all-reduce of their own (after the held agreement, with its room empty)."""
         if self.world.size == 1:
             return sums
         keys = [(q, name) for q, named in sums.items() for name in named]
         # a tensor that several quantities share (the same object) travels once
         distinct = list({id(sums[q][name]): sums[q][name] for q, name in keys}.values())
-        totals = dict(zip(map(id, distinct), sum_over_processes(distinct, self.world)))
+        totals = dict(zip(map(id, distinct), self._summed(distinct)))
         out: dict[str, dict[str, Tensor]] = {q: {} for q in sums}
         for q, name in keys:
             out[q][name] = totals[id(sums[q][name])]
+        return out
+
+    def _summed(self, tensors: list[Tensor]) -> list[Tensor]:
+        """``tensors`` added over the processes, in the held closing agreement where they fit
+        (the room of their active quantities then grows to their size for the next step)."""
+        count = sum(t.numel() for t in tensors)
+        if self._deferred is None:
+            return sum_over_processes(tensors, self.world)
+        agreement, entry, part = self._deferred
+        key = _names(entry)
+        space = self._sums_room.get(key, 0)
+        if count > space:
+            self.settle(False)
+            self._sums_room[key] = count  # every process finished the step alike
+            return sum_over_processes(tensors, self.world)
+        self._deferred = None
+        device = local(self.params[0]).device
+        room = torch.zeros(space, dtype=torch.float64, device=device)
+        if count:
+            room[:count] = torch.cat([t.detach().reshape(-1).to(room) for t in tensors])
+        self._riding = room
+        try:
+            agreement.raise_if_failed(agreement.agree(False, part))
+        finally:
+            self._riding = None
+        flat = agreement.carried[-1]
+        out, start = [], 0
+        for t in tensors:
+            out.append(flat[start : start + t.numel()].view(t.shape).to(t.device, t.dtype))
+            start += t.numel()
         return out
 
     def average_unsynced(self, gradients) -> None:
@@ -191,6 +288,11 @@ class DataParallel:
         elif not needed and self._no_sync is not None:
             self._no_sync.__exit__(None, None, None)
             self._no_sync = None
+
+
+def _names(entry: Entry) -> tuple[str, ...]:
+    """The step's active quantities, by name: what the room for their sums is kept under."""
+    return tuple(q.name for q in entry.active)
 
 
 def _split(flat: list[Tensor], params) -> list:
@@ -225,10 +327,11 @@ ROW = ("raised", "batch size N_i", "loss L_i", "seconds since the last block")
 class Agreement:
     """Whether every process got through micro-batch ``index`` of ``step``'s block: each
     process takes part in the same small collectives (a row of :data:`ROW` per process,
-    summed), once at its backward's first gradient of a tracked parameter (before DDP's
-    collectives of that backward) and once when its block ends, normally or by an exception;
-    a process that has learnt of a failure takes part in no further one. So the processes
-    still running learn which rank raised, at which step, instead of a collective mismatch.
+    summed), once when its backward starts (the gradient of the loss, :meth:`hooks`: before
+    DDP's or FSDP's collectives of that backward) and once when its block ends, normally or
+    by an exception; a process that has learnt of a failure takes part in no further one. So
+    the processes still running learn which rank raised, at which step, instead of a
+    collective mismatch.
 
     The same collectives carry the micro-batch's size N_i and loss L_i (``loss``, ``n``) and
     the seconds since ``since`` (the end of the process's previous block, read at its first
@@ -289,9 +392,27 @@ class Agreement:
         tail = torch.tensor([seconds], dtype=torch.float64)
         return torch.cat([head.to(self.device), loss, tail.to(self.device)])
 
-    def first_gradient(self, grad: Tensor) -> None:
-        """A hook on each tracked parameter: at the backward's first gradient of one (before
-        DDP's hook of that parameter can start an all-reduce), raise if a process failed."""
+    def hooks(self, loss: Tensor, leaves: list[Tensor]) -> list[RemovableHandle]:
+        """Make the first agreement when the backward starts, and raise there if a process
+        failed: when its gradient arrives at ``loss`` (the block's ``info["loss"]``), before
+        any other hook on it runs, so before the backward reaches a layer and before every
+        collective of the backward (DDP's all-reduces; FSDP's pre-backward all-gathers, whose
+        hook sits on ``loss`` itself where the loss is an output of a fully_shard'ed
+        module); else, for a backward of another tensor than ``loss``, at the first gradient
+        of a tracked parameter (``leaves``: where the gradients arrive), before DDP's hook of
+        that parameter can start an all-reduce (under FSDP its pre-backward all-gathers come
+        before: backpropagate a multiple of ``info["loss"]`` itself)."""
+        handles = [leaf.register_hook(self._at_backward) for leaf in leaves]
+        if not loss.requires_grad:
+            return handles
+        handle = loss.register_hook(self._at_backward)
+        hooks = loss._backward_hooks  # the hooks run in its insertion order: ours first
+        others = [(key, hooks.pop(key)) for key in list(hooks) if key != handle.id]
+        hooks.update(others)
+        return [handle, *handles]
+
+    def _at_backward(self, grad: Tensor) -> None:
+        """The first agreement, once (see :meth:`hooks`)."""
         if not self.backward_agreed:
             self.backward_agreed = True
             self.raise_if_failed(self.agree(False))

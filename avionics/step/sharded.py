@@ -187,8 +187,14 @@ class Sharded(DataParallel):
         """This process's shard of the global loss's gradient: of FSDP's average in ``p.grad``
         with equal batches; else of the processes' whole gradient sums sum_{n in r} grad l_n
         added (one all-reduce of the parameters' size, as under DDP), divided by N for a
-        mean-reduced loss. Divided by the measured backward scale c either way."""
-        if len(set(batch.sizes)) == 1:
+        mean-reduced loss. Divided by the measured backward scale c either way.
+
+        Micro-batches (gradient accumulation): the sums, each process's whole combined
+        gradient of its micro-batches (sum_i (w_i / c_i) grad L_i, recorded on the unsharded
+        parameters at each backward) times N_r, whatever the sizes: ``p.grad``'s shard is
+        not the global mean's where a micro-batch's backward ran with FSDP's gradient sync
+        off or the processes' micro-batches differ in size."""
+        if combined.single and len(set(batch.sizes)) == 1:
             return super().gradients(combined, reduction, batch)
         weight = batch.sizes[self.world.rank] if reduction == "mean" else 1
         sums = [
