@@ -68,6 +68,30 @@ def test_accumulated_steps_equal_one_batch(k, reduction):
     assert_same_output(ours, ONE_BATCH[reduction], **EXACT)
 
 
+def test_activation_health_of_accumulated_steps_equals_one_batch():
+    """A unit dead in one micro-batch but alive in another is alive in the step's batch: the
+    micro-batches' counts are added, not their calls listed side by side."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 12), torch.nn.ReLU(), torch.nn.Linear(12, 3), torch.nn.Tanh()
+    ).double()
+    with torch.no_grad():
+        model[0].bias.sub_(0.6)  # most units alive on a few samples only
+    X, y = torch.randn(9, 4, dtype=torch.float64), torch.randint(0, 3, (9,))
+
+    def loss_fn(output, target):
+        return torch.nn.functional.cross_entropy(output, target, reduction="none")
+
+    def make_quantities():
+        return [quantities.ActivationHealth()]
+
+    one = run(model, X, y, loss_fn, 1, make_quantities)
+    dead = [one[s]["ActivationHealth"]["1"]["dead"] for s in one]
+    assert all(0 < d < 0.5 for d in dead), dead  # some units dead, most alive somewhere
+    for k, sizes in ((3, None), (2, [2, 7])):
+        assert_same_output(run(model, X, y, loss_fn, k, make_quantities, sizes=sizes), one, **EXACT)
+
+
 def test_the_exact_hessian_diagonal_of_accumulated_steps_equals_one_batch():
     model, X, y, loss_fn = models.mlp(n=4)
 

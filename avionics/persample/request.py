@@ -63,7 +63,9 @@ class Request:
       time); for each, the projections g_n . v per parameter, shape [N].
     * ``visitors``: called with chunks of materialised per-sample gradients (histograms).
     * ``module_outputs``: output visitors, called with every module call's output in the
-      captured forward (activation statistics: no per-sample gradient is needed for them).
+      captured forward (activation statistics: no per-sample gradient is needed for them);
+      a summary holds counts and sums over the call's samples (tensors), which a step's
+      micro-batches add (:func:`avionics.step.accumulation.added_summaries`).
     * ``calls``: only the captured layer calls (for quantities that backpropagate through them
       themselves, as the GGN diagonal does); implied by every statistic.
     * ``sample_mean``: the direction among ``directions`` that is the mean (1/n) sum_n g_n of

@@ -151,7 +151,31 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
         input_versions=[t._version for t in inputs],
     )
     call.grad_outputs = grad_outputs
+    call.summaries = added_summaries([c.summaries for c in calls])
     return call
+
+
+def added_summaries(per_call: list[list[tuple]]) -> list[tuple]:
+    """The output visitors' summaries of one root call in each micro-batch as those of one
+    forward of their concatenated batch: each summary's tensors added over the micro-batches
+    (a summary holds counts and sums over its call's samples, added over the processes too).
+    The micro-batches' forwards call the same modules in the same order (the merged calls
+    require it), so their summaries pair up in order."""
+    first = per_call[0]
+    for summaries in per_call[1:]:
+        if [(v, m) for v, m, _ in summaries] != [(v, m) for v, m, _ in first]:
+            raise RuntimeError(
+                "The micro-batches' forwards ran different activation modules, so their "
+                "output summaries (ActivationHealth) cannot be added: give every micro-batch "
+                "of a step the same forward, or leave out the quantities that read module "
+                "outputs."
+            )
+    added = []
+    for j, (visit, module, summary) in enumerate(first):
+        others = [summaries[j][2] for summaries in per_call[1:]]
+        total = pytree.tree_map(lambda *ts: sum(ts[1:], ts[0]), summary, *others)
+        added.append((visit, module, total))
+    return added
 
 
 def weighted_sum(lists: list[list[Tensor | None] | None], weights: list[float]) -> list:
