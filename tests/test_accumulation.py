@@ -89,7 +89,9 @@ def test_activation_health_of_accumulated_steps_equals_one_batch():
     dead = [one[s]["ActivationHealth"]["1"]["dead"] for s in one]
     assert all(0 < d < 0.5 for d in dead), dead  # some units dead, most alive somewhere
     for k, sizes in ((3, None), (2, [2, 7])):
-        assert_same_output(run(model, X, y, loss_fn, k, make_quantities, sizes=sizes), one, **EXACT)
+        assert_same_output(
+            run(model, X, y, loss_fn, k, make_quantities, sizes=sizes), one, **EXACT
+        )
 
 
 def test_the_exact_hessian_diagonal_of_accumulated_steps_equals_one_batch():
