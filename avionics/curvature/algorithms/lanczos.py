@@ -15,30 +15,25 @@ Stopping rules (``criterion``):
   the same as in ``scipy.sparse.linalg.eigsh``); the eigenvalue error is then of the order
   r_i^2 / gap, usually far below ``tol``.
 * ``"eigenvalue"``: ``tol`` is the relative accuracy of the eigenvalues. By Kato-Temple
-  (T. Kato, J. Phys. Soc. Japan 4, 1949; G. Temple, Proc. R. Soc. A 119, 1928; Parlett, *The
-  Symmetric Eigenvalue Problem*, section 11.7): if theta_i has residual r_i and the interval
-  around it of half-width delta holds no eigenvalue but the one it approximates, lambda_i,
-  then |lambda_i - theta_i| <= r_i^2 / delta; and always some eigenvalue lies within r_i of
-  theta_i. The neighbouring Ritz pair (theta_n, r_n) has an eigenvalue within r_n of
-  theta_n, so delta_i = |theta_i - theta_n| - r_n (the nearer neighbour's; for the largest
-  one only the pair below it) estimates that half-width (exactly when each neighbour's
-  interval holds its own eigenvalue), and the rule is
-  min(r_i, r_i^2 / delta_i) <= tol |theta_i| (r_i alone while delta_i <= 0: the residual
-  intervals overlap). The plain Ritz gap |theta_i - theta_n| over-estimates the distance to
-  the next eigenvalue (Cauchy interlacing puts theta_n inside the spectrum) and is not used.
+  (Parlett, *The Symmetric Eigenvalue Problem*, section 11.7) the error of theta_i is at most
+  r_i and about r_i^2 / gap_i, gap_i the distance to the nearest other Ritz value; the rule is
+  min(r_i, GAP_SAFETY r_i^2 / gap_i) <= tol |theta_i|.
 
   The one-product check: a call warm-started from a :class:`LanczosState` with k = 1 knows,
   after its first product, only the Rayleigh quotient theta = v^T A v of the start vector and
   its residual r = ||A v - theta v||, and no other Ritz value to measure a gap from. It then
-  takes ``gap`` from the state: the smallest delta of the extreme pair over the calls that
-  warm-started from the state's own eigenvector since its last fresh start, an estimate of
-  the distance theta - lambda_2 to the next eigenvalue, and applies the same rule
-  min(r, r^2 / gap) <= tol |theta|. When it holds, the call stops after that one product and
-  returns (theta, v); when not, that product is the first Lanczos step: the check costs no
-  product.
-
-  Neither bound sees an eigenvalue whose eigenvector the Krylov space has not reached (a start
-  vector orthogonal to it): no Krylov method can.
+  takes ``gap`` from the state: the smallest Ritz gap of the extreme pair over the calls
+  that warm-started from the state's own eigenvector since its last fresh start, an estimate
+  of the distance theta - lambda_2 to the next eigenvalue. Justification (the Kato-Temple
+  inequality: T. Kato, J. Phys. Soc. Japan 4, 1949; G. Temple, Proc. R. Soc. A 119, 1928;
+  Parlett, as above): if the interval (lambda_2, +infinity) holds theta and no eigenvalue but
+  lambda_1, then theta <= lambda_1 <= theta + r^2 / (theta - lambda_2) (mirrored for the
+  smallest eigenvalue). A Ritz gap theta_1 - theta_2 over-estimates lambda_1 - lambda_2
+  (Cauchy interlacing: theta_2 <= lambda_2), so the running minimum approaches it from
+  above, and GAP_SAFETY covers what it still over-estimates; the rule is the same
+  min(r, GAP_SAFETY r^2 / gap) <= tol |theta|. When it holds, the call stops after that one
+  product and returns (theta, v); when not, that product is the first Lanczos step: the
+  check costs no product.
 
 When the basis reaches ``max_basis`` vectors the iteration is thick-restarted (Wu & Simon 2000,
 "Thick-restart Lanczos method for large symmetric eigenvalue problems", SIAM J. Matrix Anal.
@@ -70,6 +65,8 @@ from torch import Tensor
 from ._matmul import _as_matmul, _generator
 from ._progress import check_progress, progress_bar
 
+# Safety factor on the gap estimate r^2 / gap of the eigenvalue error ("eigenvalue" criterion).
+GAP_SAFETY = 10.0
 # ||f||^2 is taken from ||Av||^2 - ||V^T Av||^2 unless that difference is below this fraction
 # of ||Av||^2, where float cancellation dominates it: then Av is orthogonalised to know ||f||.
 LAZY_RESIDUAL_MIN = 1e-2
@@ -139,7 +136,7 @@ class LanczosState:
         self.storage: Tensor | None = None
         self.start = 0
         self.eigenvalue: float | None = None  # float64 Ritz value of the last call
-        # the smallest gap delta of the extreme pair since the last fresh start (the estimate
+        # the smallest Ritz gap of the extreme pair since the last fresh start (the estimate
         # of the one-product check; module docstring)
         self.gap: float | None = None
 
@@ -212,9 +209,8 @@ def top_eigenpairs(
         :class:`BlockOperator`.
     tol: with ``criterion="residual"``, stop when every wanted Ritz pair has residual
         ||A x - theta x|| <= tol |theta| (ARPACK's rule; the eigenvalue error is typically
-        ~ tol^2 |theta|^2 / gap); with ``"eigenvalue"``, when the Kato-Temple bound of each
-        eigenvalue's error, min(r, r^2 / delta), is <= tol |theta| (delta the distance to the
-        neighbouring Ritz value less that one's residual: module docstring).
+        ~ tol^2 |theta|^2 / gap); with ``"eigenvalue"``, when the Kato-Temple estimate of each
+        eigenvalue's error, min(r, GAP_SAFETY r^2 / gap), is <= tol |theta|.
     max_products: budget of operator products (default 500); the result says whether it
         converged within it.
     v0: start vector [D] (a warm start, e.g. the previous step's top eigenvector); a [D, j]
@@ -325,8 +321,7 @@ def _lanczos_extreme(
         X = _ritz_vectors(storage[start : start + nb], Y, wanted, storage[start + nb :])
         state.start = start + nb
     state.eigenvalue = float(theta[wanted[0]])
-    gap = _gap(theta, wanted[0], lanczos.last_residuals) if nb > 1 else None
-    state.gap = _smallest_gap(prior_gap, gap)
+    state.gap = _smallest_gap(prior_gap, _ritz_gap(theta, wanted[0]) if nb > 1 else None)
     values_and_residuals = torch.tensor(
         [[float(theta[i]) for i in wanted], residuals], dtype=dtype
     )
@@ -388,7 +383,6 @@ class _Lanczos:
         self.T = np.zeros((max_basis, max_basis))
         self.eps = float(torch.finfo(op.dtype).eps)
         self.products = 0
-        self.last_residuals = None  # r_i of every Ritz pair at the last product
 
     def run(self, tol: float, eigenvalue_bound: bool, max_products: int, bar, prior_gap=None):
         """Lanczos steps until the stopping rule, the budget or an exhausted space (nb = D);
@@ -425,12 +419,10 @@ class _Lanczos:
             theta, Y = np.linalg.eigh(T[:nb, :nb])
             anorm = max(anorm, abs(float(theta[0])), abs(float(theta[-1])))
             wanted = _wanted(nb, min(self.k, nb), self.which)
-            every = beta * np.abs(Y[nb - 1])  # r_i of every Ritz pair
-            self.last_residuals = every
-            residuals = [float(every[i]) for i in wanted]
+            residuals = [beta * abs(float(Y[nb - 1, i])) for i in wanted]
             floor = 10 * self.eps * anorm
             done = nb >= self.k and _converged(
-                theta, wanted, every, tol, floor, eigenvalue_bound, prior_gap
+                theta, wanted, residuals, tol, floor, eigenvalue_bound, prior_gap
             )
             invariant = nb == self.op.dim and beta <= 1e3 * floor
             if done or self.products >= max_products or invariant:
@@ -466,41 +458,31 @@ def _wanted(m: int, n: int, which: str) -> range:
 def _converged(
     theta, wanted, residuals, tol: float, floor: float, eigenvalue_bound: bool, prior_gap=None
 ):
-    """Whether every wanted pair's error bound (its residual r_i, ``residuals`` holding those
-    of every Ritz pair; with ``eigenvalue_bound`` the Kato-Temple min(r_i, r_i^2 / delta_i))
-    is <= max(tol |theta_i|, floor)."""
-    for i in wanted:
-        r = float(residuals[i])
-        error = _eigenvalue_error(theta, i, residuals, prior_gap) if eigenvalue_bound else r
+    """Whether every wanted pair's error estimate (r, or with ``eigenvalue_bound`` the
+    Kato-Temple min(r, GAP_SAFETY r^2 / gap)) is <= max(tol |theta|, floor)."""
+    for i, r in zip(wanted, residuals, strict=True):
+        error = _eigenvalue_error(theta, i, r, prior_gap) if eigenvalue_bound else r
         if error > max(tol * abs(theta[i]), floor):
             return False
     return True
 
 
-def _eigenvalue_error(theta, i: int, residuals, prior_gap: float | None = None) -> float:
-    """min(r_i, r_i^2 / delta_i) (Kato-Temple, module docstring), delta_i from
-    :func:`_gap`, or ``prior_gap`` when theta has no other value (the one-product check);
-    r_i alone without a positive delta_i."""
-    r = float(residuals[i])
-    gap = _gap(theta, i, residuals) if len(theta) > 1 else prior_gap
-    return min(r, r * r / gap) if gap is not None else r
+def _eigenvalue_error(theta, i: int, r: float, prior_gap: float | None = None) -> float:
+    """min(r, GAP_SAFETY r^2 / gap), gap the distance from theta[i] to its nearest neighbour
+    among the ascending Ritz values, or ``prior_gap`` when theta has no other value (the
+    one-product check); r alone without a positive gap."""
+    gap = _ritz_gap(theta, i) if len(theta) > 1 else (prior_gap or 0.0)
+    return min(r, GAP_SAFETY * r * r / gap) if gap > 0 else r
 
 
-def _gap(theta, i: int, residuals) -> float | None:
-    """delta_i = min over the neighbours n of theta[i] among the ascending Ritz values of
-    |theta_i - theta_n| - r_n: the half-width around theta_i that the neighbours' residual
-    intervals leave free of other eigenvalues; None when it is not positive."""
-    delta = min(
-        abs(float(theta[i] - theta[n])) - float(residuals[n])
-        for n in (i - 1, i + 1)
-        if 0 <= n < len(theta)
-    )
-    return delta if delta > 0 else None
+def _ritz_gap(theta, i: int) -> float:
+    """The distance from theta[i] to its nearest neighbour among the ascending Ritz values."""
+    return float(min(abs(theta[i] - theta[n]) for n in (i - 1, i + 1) if 0 <= n < len(theta)))
 
 
 def _smallest_gap(*gaps: float | None) -> float | None:
-    """The smallest of the known positive gaps (None when none is known: overlapping
-    residual intervals give no gap to bound an error by)."""
+    """The smallest of the known positive gaps (None when none is known: coincident Ritz
+    values give no gap to bound an error by)."""
     known = [g for g in gaps if g is not None and g > 0]
     return min(known) if known else None
 
