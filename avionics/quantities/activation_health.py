@@ -154,17 +154,26 @@ def output_summary(module: nn.Module, output, batch_axis: int) -> dict[str, Tens
     return {"alive": alive, "moments": moments}
 
 
-def health(module: nn.Module, alive: Tensor, moments: Tensor) -> dict[str, float]:
-    """``module``'s statistics (see the module docstring) from its calls' ``alive`` counts
-    (concatenated) and ``moments`` (added), over the calls and the processes."""
-    values, total, squares, saturated = moments.tolist()
-    result = {
-        "dead": float((alive == 0).double().mean()),
-        "mean": total / values,
-        "rms": (squares / values) ** 0.5,
-    }
-    if saturation_of(module) is not None:
-        result["saturated"] = saturated / values
+def healths(modules: dict[str, nn.Module], totals: dict[str, Tensor]) -> dict[str, dict]:
+    """Each module's statistics (see the module docstring) from its calls' ``alive`` counts
+    (concatenated) and ``moments`` (added), over the calls and the processes, for the
+    ``"alive NAME"`` / ``"moments NAME"`` entries of ``totals``: one transfer to the host for
+    all modules ([dead fraction, moments] per module, stacked)."""
+    names = [key.split(" ", 1)[1] for key in totals if key.startswith("alive ")]
+    if not names:
+        return {}
+    packed = torch.stack(
+        [
+            torch.cat([(totals[f"alive {name}"] == 0).double().mean()[None],
+                       totals[f"moments {name}"]])
+            for name in names
+        ]
+    ).tolist()  # fmt: skip
+    result = {}
+    for name, (dead, values, total, squares, saturated) in zip(names, packed, strict=True):
+        result[name] = {"dead": dead, "mean": total / values, "rms": (squares / values) ** 0.5}
+        if saturation_of(modules[name]) is not None:
+            result[name]["saturated"] = saturated / values
     return result
 
 
@@ -232,11 +241,4 @@ class ActivationHealth(Quantity):
     def compute(self, data: StepData):
         totals = data.totals[self.name]
         self._warn_once(data, bool(totals))
-        modules = dict(data.model.named_modules())
-        value = {}
-        for key, alive in totals.items():
-            kind, name = key.split(" ", 1)
-            if kind == "alive":
-                moments = totals[f"moments {name}"]
-                value[name] = health(modules[name], alive, moments)
-        return {data.step: value}
+        return {data.step: healths(dict(data.model.named_modules()), totals)}

@@ -89,12 +89,15 @@ def _momentum(group: dict) -> float:
 def _adam_preconditioner(g: Tensor, state: dict, group: dict) -> Tensor:
     """sqrt(v_hat_t) + eps of the coming Adam(W) step (module docstring)."""
     beta2 = float(group["betas"][1])
-    t = float(state["step"]) + 1 if state else 1.0
     v = (1 - beta2) * g.square()
-    if state:
-        v = v + beta2 * state["exp_avg_sq"]
-        if group["amsgrad"]:
-            v = torch.maximum(v, state["max_exp_avg_sq"])
+    if not state:  # t = 1
+        return (v / (1 - beta2)).sqrt() + group["eps"]
+    v = v + beta2 * state["exp_avg_sq"]
+    if group["amsgrad"]:
+        v = torch.maximum(v, state["max_exp_avg_sq"])
+    # t = the step count + 1, in float64 where the count is (a CPU tensor, or the parameters'
+    # device for a capturable or fused Adam): its value is not read on the host
+    t = torch.as_tensor(state["step"]).to(torch.float64) + 1
     return (v / (1 - beta2**t)).sqrt() + group["eps"]
 
 

@@ -429,7 +429,7 @@ class _Lanczos:
                 return theta, Y, nb, residuals, done or nb == self.op.dim
             if not exact:
                 again = beta2 < REORTHOGONALISE_BELOW * squared
-                beta = _orthogonalise(hv, Vw, h, slices, T, nb - 1, again)
+                beta = _orthogonalise(hv, Vw, h, slices, T, nb - 1, again, beta)
                 theta, Y = np.linalg.eigh(T[:nb, :nb])
             hv = None
             if beta <= floor:  # an invariant space: continue in a new direction
@@ -525,13 +525,17 @@ def _project(hv: list[Tensor | None], V: Tensor, slices: list[slice], squared: b
     return numbers
 
 
-def _orthogonalise(hv, Vw: Tensor, h: Tensor, slices, T, j: int, again: bool) -> float:
+def _orthogonalise(
+    hv, Vw: Tensor, h: Tensor, slices, T, j: int, again: bool, norm: float | None = None
+) -> float:
     """w = Av - V V^T Av (``h`` = V^T Av; ``Vw`` = [V; w], rows of the storage) in the row w,
     normalised: from the product's parts ``hv``, per block, or, with ``hv`` None, in place
     (w holds Av). With ``again``, a second classical Gram-Schmidt pass, whose projections are
     added to column j of T; its projections and ||w||^2 come from one product [V; w] w, and
-    the correction and the normalisation from one ``addmv_``. Returns ||w|| before the
-    normalisation."""
+    the correction and the normalisation from one ``addmv_``. Without ``again``, ``norm``
+    (if given) is ||w||, known from ||Av||^2 - ||V^T Av||^2 where that difference is at least
+    half of ||Av||^2 (so within a few eps of the norm), and w is divided by it without reading
+    its norm from the device. Returns ||w|| before the normalisation."""
     V, w = Vw[:-1], Vw[-1]
     if hv is None:
         w.addmv_(V.t(), h, alpha=-1)
@@ -545,7 +549,7 @@ def _orthogonalise(hv, Vw: Tensor, h: Tensor, slices, T, j: int, again: bool) ->
         if V.shape[0] > 1:
             w.addmv_(V[1:].t(), h[1:], alpha=-1)
     if not again:
-        beta = float(w.norm())
+        beta = float(w.norm()) if norm is None else norm
         if beta > 0:
             w.div_(beta)
         return beta

@@ -78,9 +78,8 @@ def hessian_diagonal_by_probes(
         stop = min(total, start + chunk)
         k = stop - start
         E = torch.zeros(k, total, dtype=ref.dtype, device=ref.device)
-        rows = torch.arange(k, device=ref.device)
-        columns = torch.arange(start, stop, device=ref.device)
-        E[rows, columns] = 1
+        # E[i, start + i] = 1, in place on the device (no tensor made from host data)
+        E.diagonal(offset=start).fill_(1)
         parts = [
             e.reshape(k, *p.shape) for e, p in zip(E.split(sizes, dim=1), params, strict=True)
         ]
@@ -92,6 +91,6 @@ def hessian_diagonal_by_probes(
             ],
             dim=1,
         )
-        diag[start:stop] = flat[rows, columns]
+        diag[start:stop] = flat.diagonal(offset=start)
     diag = diag.detach() * scale
     return [d.reshape(p.shape) for d, p in zip(diag.split(sizes), params, strict=True)]
