@@ -131,8 +131,8 @@ class Cockpit:
 
     With a histogram quantity (GradHist1d, GradHist2d; economy has one) and parameters on the
     CPU, construction loads the histogram kernels (numba) for the parameters' dtype, once per
-    process: 0.5-2 s from numba's on-disk cache, 5-20 s where they must be compiled (said on
-    stderr), so that the first tracked step costs about what a later one does.
+    process: 0.3-2 s from numba's on-disk cache, 4-20 s where they must be compiled (said on
+    stderr; BENCHMARKS.md, "First tracked step"), so that the first step does not pay them.
     """
 
     def __init__(
@@ -267,11 +267,11 @@ class Cockpit:
                         handle.remove()
                 if capture is not None:
                     capture.stop_recording()
-            # (held for the quantities' sums where they can travel in it, see DataParallel.defer)
-            if agreement is not None and not self._processes.defer(agreement, entry, part):
-                agreement.raise_if_failed(agreement.agree(False, part))
-                self._processes.carried(agreement.carried)
             if agreement is not None:
+                # (held for the quantities' sums where they can travel in it: DataParallel.defer)
+                if not self._processes.defer(agreement, entry, part):
+                    agreement.raise_if_failed(agreement.agree(False, part))
+                    self._processes.carried(agreement.carried)
                 part.ranks = agreement.ranks
         self._leave(entry, part)
 
