@@ -36,8 +36,8 @@ sequence). With one micro-batch of N sequences and ``num_items_in_batch``, l_n =
 sequence's summed cross entropy) / (the batch's counted tokens): a sequence's share of the
 token-averaged loss, times N; a padded sequence weighs by its number of predicted tokens.
 A sequence classifier (``loss_function`` ForSequenceClassificationLoss, e.g.
-BertForSequenceClassification) has one label per sequence: T = 1, and its loss is the mean
-cross entropy over the batch, as its forward computes it.
+BertForSequenceClassification) has one label per sequence and l_n is its cross entropy: the
+step's loss is their mean (see *the Trainer's scale* below).
 ``info["loss"]`` is the micro-batch's mean of its l_n and the backpropagated tensor is
 (N / S) * info["loss"] (info["loss"] itself with one micro-batch), whose value is checked
 against the Trainer's own loss before the backward.
@@ -50,6 +50,20 @@ equal on every process (see :class:`~avionics.Cockpit`). With ``average_tokens_a
 (the default) Z counts every process's tokens and S is the step's sequences over all
 processes: each process backpropagates W times its share (W processes; DDP averages), as the
 Trainer does. The log records of rank 0 get the cockpit's values (its sinks run there).
+
+**The Trainer's scale of a sequence classifier.** ``Trainer.compute_loss`` multiplies the
+loss by W (``average_tokens_across_devices``) and ``Trainer.training_step`` skips the division
+by k whenever the model's forward takes ``**kwargs`` (``model_accepts_loss_kwargs``) and
+``num_items_in_batch`` was counted: it takes the loss for a sum over the step's tokens
+divided by their global count. BertForSequenceClassification's forward takes ``**kwargs`` but
+computes the mean over its micro-batch (it never reads ``num_items_in_batch``), so the
+Trainer backpropagates c = W times each micro-batch's mean and its gradient is W * k times
+the gradient of the step's mean loss (its logged ``loss`` and ``grad_norm`` too; with Adam
+and no clipping the updates hardly change, as Adam is invariant to the gradient's scale up
+to its eps). The CockpitTrainer backpropagates what the Trainer would, so the training is the
+Trainer's; the cockpit measures c and divides it out (:class:`~avionics.Cockpit`, the
+backward scale), so its values are those of the mean loss, equal to one process's with one
+micro-batch on the global batch, and its GradNorm is the Trainer's ``grad_norm`` / (W * k).
 """
 
 from __future__ import annotations
@@ -342,6 +356,17 @@ class CockpitMixin:
             and num_items_in_batch is not None
         )
 
+    def _trainers_scale(self, num_items_in_batch) -> float:
+        """The factor ``Trainer.training_step`` applies to the loss ``Trainer.compute_loss``
+        normalised: the processes W where it counted every process's tokens, divided by the
+        micro-batches k where it takes the loss for not normalised over them."""
+        processes = self.accelerator.num_processes
+        over_processes = (
+            processes if self._tokens_counted_over_processes(num_items_in_batch) else 1
+        )
+        scaled = self._loss_scaled_for_accumulation(num_items_in_batch)
+        return over_processes / (1 if scaled else self.current_gradient_accumulation_steps)
+
     def _loss_scaled_for_accumulation(self, num_items_in_batch) -> bool:
         """Whether the Trainer's loss is already normalised over the step's micro-batches (as
         ``Trainer.training_step`` decides)."""
@@ -379,25 +404,27 @@ class CockpitMixin:
         shift = _shifts_labels(unwrapped)
         sums = token_cross_entropy_sums(outputs["logits"], labels, shift)
         n, k = len(sums), self.current_gradient_accumulation_steps
-        own = self._step_sequences if k > 1 else n  # this process's sequences of the step
-        scaled = self._loss_scaled_for_accumulation(num_items_in_batch)
-        # The Trainer backpropagates (sum of the micro-batch's cross entropies) / Z, times
-        # the processes W where it counted every process's tokens, divided by k where not
-        # scaled for the accumulation; l_n = own * that factor * sum_n, so that the mean of
-        # the l_n over this process's sequences of the step is what it backpropagates.
-        # Z: the model's own (num_items_in_batch where its loss takes it; a sequence
-        # classifier's is the mean over the micro-batch whatever it is given).
-        if scaled and not _classifies_sequences(unwrapped):
-            normaliser = num_items_in_batch
+        scale = self._trainers_scale(num_items_in_batch)
+        if _classifies_sequences(unwrapped):
+            # l_n = sequence n's cross entropy; the Trainer backpropagates its scale times the
+            # micro-batch's mean (the module docstring), which the cockpit divides out
+            individual_losses = sums
+            mean = sums.mean()
+            backpropagated = mean if scale == 1 else mean * scale
         else:
-            normaliser = predicted_tokens(labels, shift)
-        over_processes = self._tokens_counted_over_processes(num_items_in_batch)
-        factor = (self.accelerator.num_processes if over_processes else 1) / (1 if scaled else k)
-        # (a count's tensor would make the ratio an integer tensor's true division: float32)
-        normaliser = torch.as_tensor(normaliser, dtype=sums.dtype, device=sums.device)
-        individual_losses = sums * (own * factor / normaliser)
-        mean = individual_losses.mean()
-        backpropagated = mean if own == n else mean * (n / own)
+            # The Trainer backpropagates (sum of the micro-batch's cross entropies) / Z times
+            # its scale; l_n = own * scale * sum_n / Z, so that the mean of the l_n over this
+            # process's sequences of the step is what it backpropagates.
+            own = self._step_sequences if k > 1 else n  # this process's sequences of the step
+            if self._loss_scaled_for_accumulation(num_items_in_batch):
+                normaliser = num_items_in_batch
+            else:
+                normaliser = predicted_tokens(labels, shift)
+            # (a count's tensor would make the ratio an integer tensor's true division)
+            normaliser = torch.as_tensor(normaliser, dtype=sums.dtype, device=sums.device)
+            individual_losses = sums * (own * scale / normaliser)
+            mean = individual_losses.mean()
+            backpropagated = mean if own == n else mean * (n / own)
         _check_same_loss(backpropagated.detach(), loss.detach())
         info = {
             "loss": mean,
