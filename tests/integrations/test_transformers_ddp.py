@@ -117,3 +117,49 @@ def test_two_processes_equal_one_process_on_the_global_batch(
                 assert record["cockpit/GradNorm"] == pytest.approx(record["grad_norm"], rel=1e-9)
             else:
                 assert not any(key.startswith("cockpit/") for key in record), record
+
+
+# FSDP2 as the Trainer is asked for it (accelerate's FullyShardedDataParallelPlugin)
+FSDP2 = {
+    "fsdp": True,
+    "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+}
+
+
+def _fsdp_asked_on_a_rank(rank, world, tmp_path, steps):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world)
+    )
+    trainer = trainer_for(
+        tmp_path / f"rank{rank}",
+        tiny_gpt2(),
+        configuration("economy"),
+        steps=steps,
+        batch=PER_PROCESS,
+        samples=steps * world * PER_PROCESS,
+        ddp_backend="gloo",
+        **FSDP2,
+    )
+    trainer.train()
+    wrapper = type(trainer.model_wrapped).__name__
+    output = trainer.cockpit.get_output()
+    trainer.cockpit.close()
+    return trainer.is_fsdp_enabled, wrapper, output
+
+
+@pytest.mark.slow
+def test_fsdp_asked_of_cpu_processes_trains_ddp_with_the_global_batch_values(tmp_path):
+    """accelerate 1.15 shards with FSDP on accelerators only: on CPU processes (its MULTI_CPU
+    state) it drops the FSDP plugin and the Trainer trains under DistributedDataParallel, whose
+    values the cockpit gives as one process's on the global batch."""
+    steps = 2
+    ranks = on_ranks(_fsdp_asked_on_a_rank, WORLD, tmp_path, tmp_path, steps)
+    single = trainer_for(
+        tmp_path / "single", tiny_gpt2(), configuration("economy"), steps=steps, batch=4
+    )
+    single.train()
+    expected = single.cockpit.get_output()
+    single.cockpit.close()
+    for fsdp_enabled, wrapper, output in ranks:
+        assert (fsdp_enabled, wrapper) == (False, "DistributedDataParallel")
+        assert_same_output(output, expected, rel=RTOL, abs=1e-10)
