@@ -39,8 +39,9 @@ A sequence classifier (``loss_function`` ForSequenceClassificationLoss, e.g.
 BertForSequenceClassification) has one label per sequence and l_n is its cross entropy: the
 step's loss is their mean (see *the Trainer's scale* below).
 ``info["loss"]`` is the micro-batch's mean of its l_n and the backpropagated tensor is
-(N / S) * info["loss"] (info["loss"] itself with one micro-batch), whose value is checked
-against the Trainer's own loss before the backward.
+(N / S) * info["loss"] (info["loss"] itself with one micro-batch; a classifier's: c *
+info["loss"], the Trainer's scale c below), whose value is checked against the Trainer's own
+loss before the backward.
 
 **Several processes** (``torchrun`` or ``accelerate launch``, one device per process, any
 backend): accelerate wraps the model in ``DistributedDataParallel`` and gives each process
@@ -57,7 +58,9 @@ by k whenever the model's forward takes ``**kwargs`` (``model_accepts_loss_kwarg
 ``num_items_in_batch`` was counted: it takes the loss for a sum over the step's tokens
 divided by their global count. BertForSequenceClassification's forward takes ``**kwargs`` but
 computes the mean over its micro-batch (it never reads ``num_items_in_batch``), so the
-Trainer backpropagates c = W times each micro-batch's mean and its gradient is W * k times
+Trainer backpropagates c = W times each micro-batch's mean (as do the other classifiers
+whose forward calls the loss without ``num_items_in_batch``: GenericForSequenceClassification,
+Llama's) and its gradient is W * k times
 the gradient of the step's mean loss (its logged ``loss`` and ``grad_norm`` too; with Adam
 and no clipping the updates hardly change, as Adam is invariant to the gradient's scale up
 to its eps). The CockpitTrainer backpropagates what the Trainer would, so the training is the
