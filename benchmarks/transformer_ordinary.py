@@ -6,8 +6,8 @@ LossOutliers, UpdateRatio and UpdateSize run. For each model of ``tests/real_mod
 (float32, the sizes of ``benchmarks/real_models``, one torch thread or ``--threads``) a
 plain Adam step and a tracked ordinary step alternate, one of each per round, after warm-up
 rounds; the ratio is of the medians, of the process's CPU time per step (on a shared machine
-the wall time also counts the other processes' turns) and of the wall time. Steps are numbered from 1001, and
-those the sparse schedule tracks are left out (never run).
+the wall time also counts the other processes' turns) and of the wall time. Steps are
+numbered from 1001, and those the sparse schedule tracks are left out (never run).
 
 ``--compare DIR`` measures, model by model in turn, the avionics under DIR (another checkout,
 e.g. the commit before a change) and this one, each model in a fresh process per tree, and
