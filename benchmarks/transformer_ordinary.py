@@ -3,11 +3,11 @@
 An ordinary step is one where the preset's sparse-schedule quantities (GradHist1d,
 PreconditionedSharpness) are off: ActivationHealth, GradNorm, GradientNoiseScale, Loss,
 LossOutliers, UpdateRatio and UpdateSize run. For each model of ``tests/real_models.py``
-(float32, the sizes of ``benchmarks/real_models``, one torch thread) a plain Adam step and a
-tracked ordinary step alternate, one of each per round, after warm-up rounds; the ratio is
-of the medians, of the process's CPU time per step (on a shared machine the wall time also
-counts the other processes' turns) and of the wall time. Steps are numbered from 1001, and
-those the sparse schedule tracks are left out (never run).
+(float32, the sizes of ``benchmarks/real_models``, one torch thread or ``--threads``) a
+plain Adam step and a tracked ordinary step alternate, one of each per round, after warm-up
+rounds; the ratio is of the medians, of the process's CPU time per step (on a shared machine
+the wall time also counts the other processes' turns) and of the wall time. Steps are
+numbered from 1001, and those the sparse schedule tracks are left out (never run).
 
 ``--compare DIR`` measures, model by model in turn, the avionics under DIR (another checkout,
 e.g. the commit before a change) and this one, each model in a fresh process per tree, and
@@ -89,7 +89,7 @@ def measure(name: str, rounds: int, warmup: int, profile: bool) -> dict:
 def _in_tree(tree: Path, name: str, args) -> dict:
     """:func:`measure` of one model in a fresh process importing avionics from ``tree``."""
     command = [sys.executable, __file__, "--one", name, "--rounds", str(args.rounds),
-               "--warmup", str(args.warmup)]  # fmt: skip
+               "--warmup", str(args.warmup), "--threads", str(args.threads)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(command, env=env, check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -102,12 +102,13 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--compare", type=Path, help="another tree: its column beside this")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # (a --compare child: one model)
     parser.add_argument("--no-write", action="store_true")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     if args.one:
         print(json.dumps(measure(args.one, args.rounds, args.warmup, False)))
         return

@@ -65,3 +65,43 @@ def test_the_floor_equals_per_sample_gradients_by_a_loop(build, shape):
     norm, inner = _reference(reference, X, y, _losses)
     assert floor.values[0]["NormTest"] == pytest.approx(norm, rel=1e-10)
     assert floor.values[0]["InnerTest"] == pytest.approx(inner, rel=1e-10)
+
+
+class TiedLM(nn.Module):
+    """An embedding, a LayerNorm, a Linear over positions (T = 4 shared by a sample) and a
+    head tied to the embedding: every kind of b_n the economy floor counts (materialised by
+    its kernel, the sum of two uses, and a Linear without shared axes from its factors)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(7, 6), nn.LayerNorm(6)
+        self.mix, self.out = nn.Linear(6, 6), nn.Linear(24, 6)
+        self.head = nn.Linear(6, 7, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.norm(self.embed(tokens))))
+        return self.head(self.out(h.flatten(1)))
+
+
+@pytest.mark.parametrize("build, shape", [(bn_net, (6, 2, 5, 5)), (TiedLM, None)])
+def test_the_economy_floor_counts_what_grad_hist_1d_counts(build, shape):
+    from avionics import Cockpit
+    from avionics.quantities import GradHist1d
+
+    torch.manual_seed(0)
+    model = build().double().eval()
+    X = torch.randint(0, 7, (9, 4)) if shape is None else torch.randn(*shape, dtype=torch.float64)
+    y = torch.randint(0, 3, (len(X),))
+    reference = copy.deepcopy(model)
+    floor = Floor(model, _losses, "sgd", "economy")
+    floor.step(0, X, y)
+    cockpit = Cockpit(reference, [GradHist1d()])
+    losses = _losses(reference(X), y)
+    with cockpit(0, {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(X)}):
+        losses.mean().backward()
+    expected = cockpit.get_output()[0]["GradHist1d"]["hist"]
+    counted = floor.values[0]["GradHist1d"]
+    assert sum(counted) == len(X) * sum(p.numel() for p in model.parameters())
+    assert counted == [float(c) for c in expected]
+    assert sum(1 for c in counted if c > 0) > 10  # (the values spread over many bins)

@@ -268,12 +268,21 @@ def output_key(node) -> tuple:
     return (id(node),) if isinstance(node, Tensor) else (id(node[0]), node[1])
 
 
+# Values that are pytree leaves (or, None, a node without leaves) whatever the registry holds
+_FLAT_LEAVES = (Tensor, type(None), bool, int, float, str)
+
+
 def _tensors(tree) -> list[Tensor]:
-    """The tensors in a pytree, in flattening order (fast for a tensor or a tuple of them)."""
+    """The tensors in a pytree, in flattening order: without the pytree machinery for a
+    tensor, and for a plain tuple, list or dict (flattened in order, a dict by insertion)
+    whose items are no containers (a Hugging Face block's ``(hidden, None)``, its keyword
+    arguments)."""
     if isinstance(tree, Tensor):
         return [tree]
-    if isinstance(tree, tuple) and all(isinstance(t, Tensor) for t in tree):
-        return list(tree)
+    kind = type(tree)
+    items = tree.values() if kind is dict else tree if kind is tuple or kind is list else None
+    if items is not None and all(isinstance(t, _FLAT_LEAVES) for t in items):
+        return [t for t in items if isinstance(t, Tensor)]
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
 
 

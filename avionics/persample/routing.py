@@ -19,7 +19,6 @@ engine that made it (the engine is a :class:`Routing`).
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager
 
 from torch import Tensor, nn
 
@@ -137,19 +136,9 @@ class Routing:
             )
         warnings.warn(how, stacklevel=2)
 
-    @contextmanager
-    def naming(self, module: nn.Module):
-        """Re-raise a rule's error with the module it failed on."""
-        try:
-            yield
-        except (RuntimeError, NotImplementedError, ValueError) as error:
-            if str(error).startswith("Module '"):
-                raise
-            name = self.module_name(module)
-            raise type(error)(
-                f"Module '{name}' ({type(module).__name__}): the per-sample engine cannot "
-                f"compute its per-sample gradients: {error}"
-            ) from error
+    def naming(self, module: nn.Module) -> _Naming:
+        """A context that re-raises a rule's error with the module it failed on."""
+        return _Naming(self, module)
 
     def module_name(self, module: nn.Module) -> str:
         """The module's name in the model, or "the model" for the root."""
@@ -159,3 +148,27 @@ class Routing:
         module, name = self.owners[k][0]
         prefix = self._names[module]
         return f"{prefix}.{name}" if prefix else name
+
+
+class _Naming:
+    """Re-raise a rule's error with the module it failed on (:meth:`Routing.naming`; a class,
+    not a generator: entered for every rule at every step)."""
+
+    __slots__ = ("routing", "module")
+
+    def __init__(self, routing: Routing, module: nn.Module):
+        self.routing, self.module = routing, module
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if not isinstance(error, (RuntimeError, NotImplementedError, ValueError)):
+            return False
+        if str(error).startswith("Module '"):
+            return False
+        name = self.routing.module_name(self.module)
+        raise type(error)(
+            f"Module '{name}' ({type(self.module).__name__}): the per-sample engine cannot "
+            f"compute its per-sample gradients: {error}"
+        ) from error

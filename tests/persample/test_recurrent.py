@@ -72,7 +72,14 @@ class Stacked(nn.Module):
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize(
     ("cell", "options"),
-    [(nn.LSTM, {}), (nn.GRU, {"bias": False}), (nn.RNN, {"nonlinearity": "relu"})],
+    [
+        (nn.LSTM, {}),
+        (nn.LSTM, {"bias": False}),
+        (nn.GRU, {}),
+        (nn.GRU, {"bias": False}),
+        (nn.RNN, {"nonlinearity": "relu"}),
+        (nn.RNN, {}),
+    ],
 )
 def test_stacked_bidirectional_layers_with_an_initial_state(cell, options, packed):
     torch.manual_seed(5)

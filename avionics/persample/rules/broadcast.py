@@ -122,15 +122,29 @@ def shared_parameter_uses(root_call, params: list[Tensor]) -> dict[int, list[tup
 
 
 def _consumers(roots, direct: dict) -> tuple[dict, list]:
-    """One walk of the graph from the captured outputs ``roots``: edge -> [(consuming node,
-    input position)], and the AccumulateGrad nodes of the parameters in ``direct`` (by id)."""
+    """One walk of the graph from the captured outputs ``roots`` (each node's edges read
+    once): edge -> [(consuming node, input position)], and the AccumulateGrad nodes of the
+    parameters in ``direct`` (by id)."""
     consumers: dict[tuple, list[tuple]] = {}
     leaves = []
-    for node in _nodes(roots):
-        if id(getattr(node, "variable", None)) in direct:
-            leaves.append(node)
-        for position, edge in enumerate(node.next_functions):
-            consumers.setdefault(edge, []).append((node, position))
+    stack = [r[0] for r in roots if not isinstance(r, Tensor)]
+    seen = {id(node) for node in stack}
+    while stack:
+        node = stack.pop()
+        edges = node.next_functions
+        if not edges:  # (a leaf: AccumulateGrad, or a graph's end)
+            if direct and id(getattr(node, "variable", None)) in direct:
+                leaves.append(node)
+            continue
+        for position, edge in enumerate(edges):
+            if edge in consumers:
+                consumers[edge].append((node, position))
+                continue
+            consumers[edge] = [(node, position)]
+            child = edge[0]
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                stack.append(child)
     return consumers, leaves
 
 
@@ -233,19 +247,6 @@ def _per_sample(scale: float, views: tuple, shape, axis: int, n: int):
         return vmap(one, in_dims=axis)(dh.detach() * scale)
 
     return gradients
-
-
-def _nodes(roots):
-    """Every autograd node reachable from the captured output ``roots``."""
-    stack = [grad_fn for grad_fn, _ in (r for r in roots if not isinstance(r, Tensor))]
-    seen = {id(node) for node in stack}
-    while stack:
-        node = stack.pop()
-        yield node
-        for child, _ in node.next_functions:
-            if child is not None and id(child) not in seen:
-                seen.add(id(child))
-                stack.append(child)
 
 
 def _addition_scale(node, position: int) -> float | None:

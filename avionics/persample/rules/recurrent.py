@@ -95,14 +95,20 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
             k = layer * directions + direction
             h, cell = h0[k], c0[k] if is_lstm else None
             a = _tap(F.linear(layer_input, w_ih, b_ih))  # [T, N, G H], all steps at once
+            # a_t + c_t = (a_t + b_hh) + h_{t-1} W_hh^T: one addmm a step
+            a_b, w_hh_t = (a if b_hh is None or not fused else a + b_hh), w_hh.t()
             out: list[Tensor | None] = [None] * steps
             previous, cs = [], []
             for t in range(steps - 1, -1, -1) if direction else range(steps):
-                c = F.linear(h, w_hh, b_hh)
-                if not fused:
-                    cs.append(_tap(c))
                 previous.append(h)
-                h_new, cell_new = _cell(module.mode, a[t], c, h, cell)
+                if fused:
+                    h_new, cell_new = _fused_cell(
+                        module.mode, torch.addmm(a_b[t], h, w_hh_t), cell
+                    )
+                else:
+                    c = _tap(F.linear(h, w_hh, b_hh))
+                    cs.append(c)
+                    h_new, cell_new = _gru_cell(a[t], c, h), None
                 if valid is not None:
                     h_new = torch.where(valid[t, :, None], h_new, h)
                     if is_lstm:
@@ -203,16 +209,21 @@ def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[T
     return [d_out] + [output_gradient(call, i) for i in states]
 
 
-def _cell(mode: str, a: Tensor, c: Tensor, h: Tensor, cell: Tensor | None):
-    """One step of PyTorch's recurrences (torch.nn.LSTM / GRU / RNN docs) from the state h,
-    cell (LSTM), a = W_ih x + b_ih and c = W_hh h + b_hh: (h', cell')."""
+def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
+    """One step of PyTorch's LSTM or RNN (torch.nn.LSTM / RNN docs) from gates = a + c and the
+    cell (LSTM): (h', cell'); an LSTM's gate nonlinearities in one sigmoid of all 4H gates
+    (the cell gate's sigmoid unused) and one tanh."""
     if mode == "LSTM":
-        i, f, g, o = (a + c).chunk(4, -1)
-        new_cell = torch.sigmoid(f) * cell + torch.sigmoid(i) * torch.tanh(g)
-        return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
-    if mode == "GRU":
-        a_r, a_z, a_n = a.chunk(3, -1)
-        c_r, c_z, c_n = c.chunk(3, -1)
-        r, z = torch.sigmoid(a_r + c_r), torch.sigmoid(a_z + c_z)
-        return (1 - z) * torch.tanh(a_n + r * c_n) + z * h, None
-    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(a + c), None
+        i, f, _, o = torch.sigmoid(gates).chunk(4, -1)
+        g = torch.tanh(gates.chunk(4, -1)[2])
+        new_cell = torch.addcmul(f * cell, i, g)
+        return o * torch.tanh(new_cell), new_cell
+    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
+
+
+def _gru_cell(a: Tensor, c: Tensor, h: Tensor) -> Tensor:
+    """One step of PyTorch's GRU (torch.nn.GRU docs) from the state h, a = W_ih x + b_ih and
+    c = W_hh h + b_hh: h' (the reset and update gates in one sigmoid)."""
+    hidden = h.shape[-1]
+    r, z = torch.sigmoid(a[..., : 2 * hidden] + c[..., : 2 * hidden]).chunk(2, -1)
+    return torch.lerp(torch.tanh(a[..., 2 * hidden :] + r * c[..., 2 * hidden :]), h, z)
