@@ -114,10 +114,23 @@ class KFACOperator(ModelDataOperator):
       rho_b / B_b (rows, times C for MSELoss and BCEWithLogitsLoss, per sample, with
       reduction "mean"). Without positions the two agree, but for that factor C of the
       empirical B; ``"forward-only"`` is the same in both, ``"mc"`` too in expectation (the
-      libraries draw differently). Two cases are not matched: a weight shared by
-      several modules (curvlinops gives it the factors of the last module that holds it,
-      avionics of the first) and a layer called more than once (curvlinops adds each
-      call's A, avionics averages over all calls' rows).
+      libraries draw differently). Weight sharing across modules and calls:
+
+      - a weight several modules hold (tied): curvlinops writes each module's block over
+        the previous one's, so the weight gets the block of the last module that holds it
+        (its factors from that module's rows only), each module's bias its own; avionics'
+        convention takes the first module's. (curvlinops' trace, logdet and norm still add
+        every module's block; ours are those of the matrix.) With
+        ``separate_weight_and_bias=False`` curvlinops' product is not symmetric there (an
+        earlier module's bias reads the weight's columns), and convention="curvlinops"
+        refuses it;
+      - a layer called more than once: curvlinops adds each call's factors, A = sum_c A_c
+        with A_c = (1/N) sum_n (1/R_c) sum_{r in c} a_r a_r^T (R_c the call's rows per
+        sample; for "reduce" A_c = (1/N) sum_n abar_{n,c} abar_{n,c}^T and B = sum_c B_c,
+        every call reduced on its own), where avionics' convention averages over all calls'
+        rows together (as the definitions above say). curvlinops' EKFAC pairs every call's
+        output gradients with the last call's inputs, no defined matrix:
+        ``EKFACOperator`` refuses a layer called more than once in that convention.
 
     From the factors, exactly for the matrix B (x) A itself: :meth:`trace`, :meth:`det`,
     :meth:`logdet`, :meth:`frobenius_norm` (tr(B (x) A) = tr B tr A, det = det(B)^{d_A}
@@ -224,11 +237,17 @@ class KFACOperator(ModelDataOperator):
         }
 
     def _find_blocks(self) -> list[KroneckerBlock]:
+        """One block per weight and bias (or per layer, weight and bias joined), in module
+        order. A weight that several modules hold (tied) is named after its first module and
+        gets the block of one of them: the first in avionics' convention, the last in
+        curvlinops' (whose product writes every module's block over the previous ones)."""
         index = {name: i for i, name in enumerate(self._param_names)}
-        blocks = []
+        # the operator's index of every parameter, by identity (a tied one has one name)
+        by_identity = {id(p): index.get(name) for name, p in self._model.named_parameters()}
+        blocks, weight_blocks = [], {}  # weight_blocks: parameter index -> its block
         for layer_name, layer in self._model.named_modules():
-            prefix = f"{layer_name}." if layer_name else ""
-            weight, bias = index.get(prefix + "weight"), index.get(prefix + "bias")
+            weight = by_identity.get(id(getattr(layer, "weight", None)))
+            bias = by_identity.get(id(getattr(layer, "bias", None)))
             if not isinstance(layer, SUPPORTED_LAYERS) or (weight is None and bias is None):
                 continue
             if isinstance(layer, CONVOLUTIONS) and layer.groups != 1:
@@ -237,14 +256,30 @@ class KFACOperator(ModelDataOperator):
                     "with groups "
                     f"({layer.groups}), which is not supported; leave its parameters out."
                 )
+            if weight in weight_blocks:  # a tied weight, already held by an earlier module
+                if self._convention == "avionics":
+                    weight = None
+                elif not self._separate_weight_and_bias:
+                    raise ValueError(
+                        f"{type(self).__name__}: the weight {self._param_names[weight]!r} is "
+                        f"shared by several modules (also {layer_name!r}); with "
+                        "convention='curvlinops' and separate_weight_and_bias=False, "
+                        "curvlinops' product is not symmetric there (an earlier module's "
+                        "bias reads the weight's columns, the weight not the bias's); pass "
+                        "separate_weight_and_bias=True or convention='avionics'."
+                    )
+                else:
+                    blocks.remove(weight_blocks.pop(weight))
             names = self._param_names
             if weight is not None and bias is not None and not self._separate_weight_and_bias:
                 blocks.append(
                     KroneckerBlock(layer, [weight, bias], True, True, [names[weight], names[bias]])
                 )
+                weight_blocks[weight] = blocks[-1]
                 continue
             if weight is not None:
                 blocks.append(KroneckerBlock(layer, [weight], True, False, [names[weight]]))
+                weight_blocks[weight] = blocks[-1]
             if bias is not None:
                 blocks.append(KroneckerBlock(layer, [bias], False, True, [names[bias]]))
         covered = {i for block in blocks for i in block.param_indices}
@@ -286,15 +321,20 @@ class KFACOperator(ModelDataOperator):
         layers = self._layers()
         sums = {id(layer): [None, None] for layer in layers}  # [sum_r a_r a_r^T, B]
         rows = {id(layer): 0 for layer in layers}
-        for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
-            if self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
+        for weight, layer, a, g, calls in self._backpropagated_rows("Kronecker factors"):
+            # curvlinops' A of a layer called more than once: each call's rows averaged
+            per_call = len(calls) > 1 and self._convention == "curvlinops"
+            samples = len(a)
+            if per_call:
+                a, g = _curvlinops_calls(a, g, calls, self._kfac_approx)
+            elif self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
             layer_sums = sums[id(layer)]
             _accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
                 _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
-            rows[id(layer)] += len(a)
+            rows[id(layer)] += samples if per_call else len(a)
         result = []
         for layer in layers:
             for i, shape in enumerate(self._factor_shapes(layer)[:2]):  # FOOF: B's is [0]
@@ -316,12 +356,13 @@ class KFACOperator(ModelDataOperator):
         return list({id(block.layer): block.layer for block in self.blocks}.values())
 
     def _backpropagated_rows(self, desc: str):
-        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]); g is
-        None for ``"forward-only"`` (no backward pass).
+        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out], the
+        rows per sample of each call); g is None for ``"forward-only"`` (no backward pass).
 
-        The rows of all calls of a layer are concatenated. The draws of a batch are seeded by
-        its index in the data set (:func:`~avionics.curvature._losses.batch_generator`), so
-        every pass sees the same sample, and sharded data the sample of one process.
+        The rows of all calls of a layer are concatenated, call after call. The draws of a
+        batch are seeded by its index in the data set
+        (:func:`~avionics.curvature._losses.batch_generator`), so every pass sees the same
+        sample, and sharded data the sample of one process.
         """
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
@@ -344,7 +385,7 @@ class KFACOperator(ModelDataOperator):
                     g = None
                     if gradients is not None:
                         g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
-                    yield weight, layer, _concatenated(a, 1), g
+                    yield weight, layer, _concatenated(a, 1), g, [len(t[0]) for t in a]
 
     def _forward(
         self, X, capture: Capture, layers: list[nn.Module], parameters: dict | None = None
@@ -546,7 +587,14 @@ class EKFACOperator(KFACOperator):
             key: torch.zeros(len(Q_B), len(Q_A), dtype=self.dtype, device=self.device)
             for key, (Q_B, Q_A) in bases.items()
         }
-        for weight, layer, a, g in self._backpropagated_rows("eigenvalue correction"):
+        for weight, layer, a, g, calls in self._backpropagated_rows("eigenvalue correction"):
+            if len(calls) > 1 and self._convention == "curvlinops":
+                raise ValueError(
+                    f"{type(self).__name__}: a layer is called {len(calls)} times in the forward "
+                    "pass; curvlinops' EKFAC pairs every call's output gradients with the last "
+                    "call's inputs, which is no defined matrix; use convention='avionics' (all "
+                    "calls' rows together) or KFACOperator."
+                )
             for block in (b for b in self.blocks if b.layer is layer):
                 Q_B, Q_A = bases[id(block)]
                 rows = a if block.has_weight else torch.ones_like(a[..., :1])
@@ -628,6 +676,22 @@ def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
         sums[i] = torch.mm(rows.T, rows) if weight == 1.0 else weight * torch.mm(rows.T, rows)
     else:
         sums[i].addmm_(rows.T, rows, alpha=weight)
+
+
+def _curvlinops_calls(a: Tensor, g: Tensor | None, calls: list[int], kfac_approx: str):
+    """Rows a [N, R, d_A] and g [K, N, R, d_out] of a layer called more than once, made
+    so that the Gram matrices over samples are curvlinops' factors: the sum over the calls c
+    of each call's A_c (its rows averaged) and B_c. For "expand" each call's rows a are
+    scaled by 1 / sqrt(R_c), its R_c rows per sample (A = (1/N) sum_c (1/R_c) sum_r a a^T);
+    for "reduce" every call is reduced on its own (mean a, summed g): one row per sample and
+    call."""
+    a_calls = a.split(calls, dim=1)
+    if kfac_approx == "reduce":
+        a = torch.stack([part.mean(dim=1) for part in a_calls], dim=1)
+        if g is not None:
+            g = torch.stack([part.sum(dim=2) for part in g.split(calls, dim=2)], dim=2)
+        return a, g
+    return torch.cat([part / math.sqrt(len(part[0])) for part in a_calls], dim=1), g
 
 
 def _concatenated(tensors: list[Tensor], dim: int) -> Tensor:
