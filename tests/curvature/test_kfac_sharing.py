@@ -149,7 +149,9 @@ def test_a_tied_weight_gets_the_first_or_the_last_module_s_block():
         rows = torch.cat(inputs[layer])
         torch.testing.assert_close(block.A, rows.T @ rows / len(rows))
         assert [b.names for b in K.blocks if not b.has_weight] == [
-            ["first.bias"], ["second.bias"], ["head.bias"]
+            ["first.bias"],
+            ["second.bias"],
+            ["head.bias"],
         ]
 
 
