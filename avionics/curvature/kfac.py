@@ -242,13 +242,25 @@ class KFACOperator(ModelDataOperator):
         gets the block of one of them: the first in avionics' convention, the last in
         curvlinops' (whose product writes every module's block over the previous ones)."""
         index = {name: i for i, name in enumerate(self._param_names)}
-        # the operator's index of every parameter, by identity (a tied one has one name)
-        by_identity = {id(p): index.get(name) for name, p in self._model.named_parameters()}
+        by_identity = {}  # of every parameter, for those held under a second name (tied)
+
+        def position(name: str, tensor: Tensor | None) -> int | None:
+            if name in index or tensor is None:
+                return index.get(name)
+            if not by_identity:
+                by_identity.update(
+                    {id(p): index.get(n) for n, p in self._model.named_parameters()}
+                )
+            return by_identity.get(id(tensor))
+
         blocks, weight_blocks = [], {}  # weight_blocks: parameter index -> its block
         for layer_name, layer in self._model.named_modules():
-            weight = by_identity.get(id(getattr(layer, "weight", None)))
-            bias = by_identity.get(id(getattr(layer, "bias", None)))
-            if not isinstance(layer, SUPPORTED_LAYERS) or (weight is None and bias is None):
+            if not isinstance(layer, SUPPORTED_LAYERS):
+                continue
+            prefix = f"{layer_name}." if layer_name else ""
+            weight = position(prefix + "weight", layer.weight)
+            bias = position(prefix + "bias", layer.bias)
+            if weight is None and bias is None:
                 continue
             if isinstance(layer, CONVOLUTIONS) and layer.groups != 1:
                 raise ValueError(
@@ -347,8 +359,9 @@ class KFACOperator(ModelDataOperator):
     def _factor_shapes(self, layer: nn.Module) -> list[tuple[int, ...]]:
         """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out] ([0] for
         ``"forward-only"``, whose B = I needs no sum), []."""
-        joint = any(b.layer is layer and b.has_weight and b.has_bias for b in self.blocks)
-        d_in, d_out = layer.weight[0].numel() + joint, layer.weight.shape[0]
+        joint = any(b.layer is layer and b.has_bias for b in self.blocks if b.has_weight)
+        d_out = layer.weight.shape[0]
+        d_in = layer.weight.numel() // d_out + joint
         B_shape = (0,) if self._fisher_type == "forward-only" else (d_out, d_out)
         return [(d_in, d_in), B_shape, ()]
 
@@ -366,41 +379,60 @@ class KFACOperator(ModelDataOperator):
         """
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
-        capture = Capture(self._model, layers)
-        parameters = None
-        if self._fisher_type == "forward-only":  # no backward pass: no graph to build
-            parameters = {name: p.detach() for name, p in self._model.named_parameters()}
+        forward_only = self._fisher_type == "forward-only"
+        capture = None if forward_only else Capture(self._model, layers)
         with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
-                output, calls = self._forward(X, capture, layers, parameters)
                 gradients = None
-                if self._fisher_type != "forward-only":
+                if forward_only:  # no backward pass: the inputs of a forward without a graph
+                    inputs = self._layer_inputs(X, layers)
+                else:
+                    output, calls = self._forward(X, capture, layers)
+                    inputs = {layer: [c.args[0].detach() for c in calls[layer]]
+                              for layer in layers}  # fmt: skip
                     generator = batch_generator(self._seed, index, self.device)
                     vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
                     gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
                 for layer in layers:
-                    a = [_input_rows(layer, c.args[0].detach(), id(layer) in joint)
-                         for c in calls[layer]]  # fmt: skip
+                    a = [_input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
                     g = None
                     if gradients is not None:
                         g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
                     yield weight, layer, _concatenated(a, 1), g, [len(t[0]) for t in a]
 
     def _forward(
-        self, X, capture: Capture, layers: list[nn.Module], parameters: dict | None = None
+        self, X, capture: Capture, layers: list[nn.Module]
     ) -> tuple[Tensor, dict[nn.Module, list[ModuleCall]]]:
-        """Run the model (with ``parameters`` in place of its own, if given); return its
-        output (in the graph) and each layer's calls."""
+        """Run the model; return its output (in the graph) and each layer's calls."""
         capture.arm()
         try:
             with torch.enable_grad():  # the capture records calls with gradients enabled
-                output = forward_keeping_buffers(self._model, X, parameters)
+                output = forward_keeping_buffers(self._model, X)
         finally:
             capture.disarm()
         calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
         capture.release()
-        not_called = [name for name, m in self._model.named_modules() if m in layers
+        self._check_called(calls)
+        return output, calls
+
+    def _layer_inputs(self, X, layers: list[nn.Module]) -> dict[nn.Module, list[Tensor]]:
+        """The input of every call of each layer, by forward pre-hooks on a forward pass
+        without autograd (``"forward-only"`` needs no graph)."""
+        inputs = {layer: [] for layer in layers}
+        handles = [layer.register_forward_pre_hook(
+            lambda module, args: inputs[module].append(args[0])) for layer in layers]  # fmt: skip
+        try:
+            with torch.no_grad():
+                forward_keeping_buffers(self._model, X)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._check_called(inputs)
+        return inputs
+
+    def _check_called(self, calls: dict[nn.Module, list]) -> None:
+        not_called = [name for name, m in self._model.named_modules() if m in calls
                       and not calls[m]]  # fmt: skip
         if not_called:
             raise ValueError(
@@ -409,7 +441,6 @@ class KFACOperator(ModelDataOperator):
                 "(e.g. the out_proj of nn.MultiheadAttention, whose weight is used directly), "
                 "so their inputs and outputs cannot be seen; leave their parameters out."
             )
-        return output, calls
 
     def _output_vectors(self, output: Tensor, y: Tensor, generator) -> Tensor:
         """The s_k, stacked [K, *output.shape], with Lambda_b = sum_k s_k s_k^T."""
@@ -671,11 +702,20 @@ def _logdet(factor: Tensor) -> Tensor:
 
 
 def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
-    """sums[i] += weight rows^T rows, in place after the first batch."""
-    if sums[i] is None:
-        sums[i] = torch.mm(rows.T, rows) if weight == 1.0 else weight * torch.mm(rows.T, rows)
-    else:
-        sums[i].addmm_(rows.T, rows, alpha=weight)
+    """sums[i] += weight rows^T rows (sums[i] made at the first batch). Of a wide Gram matrix
+    (d >= 512) only the blocks on and above the diagonal are multiplied, in 4 row blocks,
+    and mirrored: 5/8 of the products (for 128 rows of 784 on one thread, 1.2 ms for 1.6)."""
+    d = rows.shape[1]
+    first = sums[i] is None
+    if first:
+        sums[i] = rows.new_empty(d, d)
+    gram, parts = sums[i], 4 if d >= 512 else 1
+    edges = [d * k // parts for k in range(parts + 1)]
+    for start, end in zip(edges[:-1], edges[1:]):
+        # beta = 0 ignores the uninitialised entries of a new sum
+        gram[start:end, start:].addmm_(rows[:, start:end].T, rows[:, start:],
+                                       beta=0.0 if first else 1.0, alpha=weight)  # fmt: skip
+        gram[end:, start:end].copy_(gram[start:end, end:].T)
 
 
 def _curvlinops_calls(a: Tensor, g: Tensor | None, calls: list[int], kfac_approx: str):
