@@ -2,9 +2,11 @@
 
 On the MLP of that benchmark: KFAC's, EKFAC's and FOOF's construction, KFAC from its state
 dict, the heuristic-damping inverse (construction + 16 columns, and the 16-column product
-alone) and KFAC's 16-column product; each row both libraries' whole call on the same inputs,
-alternating, CPU time of the process (``time.process_time``, torch on one thread), the median
-over the repeats after a warm-up.
+alone); then the KFAC rows of the main tables (construction with
+the determinism check, the 16-column product) on the MLP, 3c3d and GPT. Each row is both
+libraries' whole call on the same inputs, alternating (which goes first alternates too), CPU
+time of the process (``time.process_time``, torch on one thread), the median over the
+repeats (a third of them on 3c3d and GPT) after a warm-up.
 
 Run: ``python -m benchmarks.kfac_rows [--repeats 21]`` (prints the table).
 """
@@ -19,7 +21,14 @@ import warnings
 import torch
 
 from avionics.curvature import EKFACOperator, KFACOperator
-from benchmarks.curvature_operators import COLUMNS, mlp_problem
+from avionics.curvature._data import MathAttention
+from benchmarks.curvature_operators import (
+    COLUMNS,
+    cnn_3c3d_problem,
+    gpt_problem,
+    mlp_problem,
+    operator_pairs,
+)
 from benchmarks.report import table
 
 
@@ -79,8 +88,29 @@ def kfac_pairs(model, loss_fn, data) -> dict:
             lambda: inverse_ours @ V,
             lambda: inverse_theirs @ V,
         ),
-        f"KFAC product, {COLUMNS} columns": (lambda: K_ours @ V, lambda: K_theirs @ V),
     }
+
+
+def main_table_pairs() -> dict:
+    """The KFAC rows of the main tables: construction (with the determinism check, both
+    libraries' default) on the three problems, EKFAC's on the MLP (curvlinops' EKFAC takes
+    [N, C] outputs only), and KFAC's 16-column product."""
+    pairs = {}
+    for name, (make, kinds) in {"MLP": (mlp_problem, ("KFAC", "EKFAC")),
+                                "3c3d": (cnn_3c3d_problem, ("KFAC",)),
+                                "GPT": (gpt_problem, ("KFAC",))}.items():  # fmt: skip
+        torch.manual_seed(0)
+        model, loss_fn, data, activation = make()
+        factories = operator_pairs(model, loss_fn, data, activation)
+        for kind in kinds:
+            pairs[f"{name}: {kind} construction (determinism check)"] = factories[kind]
+        with warnings.catch_warnings(), MathAttention():
+            warnings.simplefilter("ignore")
+            ours, theirs = (factory() for factory in factories["KFAC"])
+        V = torch.randn(ours.shape[1], COLUMNS, generator=torch.Generator().manual_seed(0))
+        products = (lambda A=ours, V=V: A @ V, lambda A=theirs, V=V: A @ V)
+        pairs[f"{name}: KFAC product, {COLUMNS} columns"] = products
+    return pairs
 
 
 def median_times(ours, theirs, repeats: int) -> tuple[float, float]:
@@ -102,11 +132,14 @@ def run(repeats: int, only: list[str] | None = None) -> str:
     rows = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (ours, theirs) in kfac_pairs(model, loss_fn, data).items():
+        pairs = {**kfac_pairs(model, loss_fn, data), **main_table_pairs()}
+        for name, (ours, theirs) in pairs.items():
             if only and not any(word in name for word in only):
                 continue
-            ours(), theirs()  # warm-up
-            ours_ms, theirs_ms = median_times(ours, theirs, repeats)
+            slow = name.startswith(("3c3d", "GPT"))
+            with MathAttention():  # curvlinops needs the math attention kernel (GPT)
+                ours(), theirs()  # warm-up
+                ours_ms, theirs_ms = median_times(ours, theirs, repeats // 3 if slow else repeats)
             print(f"{name}: {ours_ms:.2f} {theirs_ms:.2f} {theirs_ms / ours_ms:.2f}", flush=True)
             rows.append([name, f"{ours_ms:.2f}", f"{theirs_ms:.2f}", f"{theirs_ms / ours_ms:.2f}"])
     return table(["row (MLP)", "ours (ms)", "curvlinops (ms)", "ratio"], rows)
