@@ -13,10 +13,11 @@ from avionics.curvature.activation_hessian import ActivationHessianOperator
 from avionics.curvature.algorithms import *  # noqa: F403 (re-exported: see __all__)
 from avionics.curvature.base import CurvatureLinearOperator, IdentityOperator
 from avionics.curvature.ef import EFOperator
+from avionics.curvature.ekfac import EKFACOperator
 from avionics.curvature.ggn import GGNOperator
 from avionics.curvature.hessian import HessianOperator
 from avionics.curvature.jacobian import JacobianOperator, TransposedJacobianOperator
-from avionics.curvature.kfac import EKFACOperator, KFACOperator
+from avionics.curvature.kfac import KFACOperator
 from avionics.curvature.kfac_inverse import KFACInverseOperator
 from avionics.curvature.lsmr_inverse import LSMRInverseOperator
 from avionics.curvature.mc_fisher import MCFisherOperator

@@ -31,7 +31,7 @@ from avionics.curvature.kfac_inverse import (
     exact_inverse,
     factored_inverse,
 )
-from avionics.curvature.kfac_state import check_state, operator_state
+from avionics.curvature.kfac_state import check_finite, check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
 from avionics.persample.rules.conv import unfold
 
@@ -114,10 +114,23 @@ class KFACOperator(ModelDataOperator):
       rho_b / B_b (rows, times C for MSELoss and BCEWithLogitsLoss, per sample, with
       reduction "mean"). Without positions the two agree, but for that factor C of the
       empirical B; ``"forward-only"`` is the same in both, ``"mc"`` too in expectation (the
-      libraries draw differently). Two cases are not matched: a weight shared by
-      several modules (curvlinops gives it the factors of the last module that holds it,
-      avionics of the first) and a layer called more than once (curvlinops adds each
-      call's A, avionics averages over all calls' rows).
+      libraries draw differently). Weight sharing across modules and calls:
+
+      - a weight several modules hold (tied): curvlinops writes each module's block over
+        the previous one's, so the weight gets the block of the last module that holds it
+        (its factors from that module's rows only), each module's bias its own; avionics'
+        convention takes the first module's. (curvlinops' trace, logdet and norm still add
+        every module's block; ours are those of the matrix.) With
+        ``separate_weight_and_bias=False`` curvlinops' product is not symmetric there (an
+        earlier module's bias reads the weight's columns), and convention="curvlinops"
+        refuses it;
+      - a layer called more than once: curvlinops adds each call's factors, A = sum_c A_c
+        with A_c = (1/N) sum_n (1/R_c) sum_{r in c} a_r a_r^T (R_c the call's rows per
+        sample; for "reduce" A_c = (1/N) sum_n abar_{n,c} abar_{n,c}^T and B = sum_c B_c,
+        every call reduced on its own), where avionics' convention averages over all calls'
+        rows together (as the definitions above say). curvlinops' EKFAC pairs every call's
+        output gradients with the last call's inputs, no defined matrix:
+        ``EKFACOperator`` refuses a layer called more than once in that convention.
 
     From the factors, exactly for the matrix B (x) A itself: :meth:`trace`, :meth:`det`,
     :meth:`logdet`, :meth:`frobenius_norm` (tr(B (x) A) = tr B tr A, det = det(B)^{d_A}
@@ -209,8 +222,22 @@ class KFACOperator(ModelDataOperator):
         self._separate_weight_and_bias = bool(separate_weight_and_bias)
         self._kfac_approx = kfac_approx
         super().__init__(model, loss_fn, params, data, check_deterministic=False, **kwargs)
+        self._unchecked: list[dict[str, Tensor]] | None = None  # see from_state_dict
         self.blocks = self._find_blocks()
         self._spectra: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
+
+    @property
+    def blocks(self) -> list[KroneckerBlock]:
+        """The Kronecker blocks, in parameter order, with their factors B and A. (Factors
+        loaded by :meth:`from_state_dict` are checked finite here, at their first use.)"""
+        if self._unchecked is not None:
+            check_finite(self, self._unchecked, f"{type(self).__name__}.from_state_dict")
+            self._unchecked = None
+        return self._blocks
+
+    @blocks.setter
+    def blocks(self, blocks: list[KroneckerBlock]) -> None:
+        self._blocks = blocks
 
     def _configuration(self) -> dict:
         """What the factors depend on besides the model and data (for :meth:`state_dict`)."""
@@ -224,12 +251,30 @@ class KFACOperator(ModelDataOperator):
         }
 
     def _find_blocks(self) -> list[KroneckerBlock]:
+        """One block per weight and bias (or per layer, weight and bias joined), in module
+        order. A weight that several modules hold (tied) is named after its first module and
+        gets the block of one of them: the first in avionics' convention, the last in
+        curvlinops' (whose product writes every module's block over the previous ones)."""
         index = {name: i for i, name in enumerate(self._param_names)}
-        blocks = []
+        by_identity = {}  # of every parameter, for those held under a second name (tied)
+
+        def position(name: str, tensor: Tensor | None) -> int | None:
+            if name in index or tensor is None:
+                return index.get(name)
+            if not by_identity:
+                by_identity.update(
+                    {id(p): index.get(n) for n, p in self._model.named_parameters()}
+                )
+            return by_identity.get(id(tensor))
+
+        blocks, weight_blocks = [], {}  # weight_blocks: parameter index -> its block
         for layer_name, layer in self._model.named_modules():
+            if not isinstance(layer, SUPPORTED_LAYERS):
+                continue
             prefix = f"{layer_name}." if layer_name else ""
-            weight, bias = index.get(prefix + "weight"), index.get(prefix + "bias")
-            if not isinstance(layer, SUPPORTED_LAYERS) or (weight is None and bias is None):
+            weight = position(prefix + "weight", layer.weight)
+            bias = position(prefix + "bias", layer.bias)
+            if weight is None and bias is None:
                 continue
             if isinstance(layer, CONVOLUTIONS) and layer.groups != 1:
                 raise ValueError(
@@ -237,14 +282,30 @@ class KFACOperator(ModelDataOperator):
                     "with groups "
                     f"({layer.groups}), which is not supported; leave its parameters out."
                 )
+            if weight in weight_blocks:  # a tied weight, already held by an earlier module
+                if self._convention == "avionics":
+                    weight = None
+                elif not self._separate_weight_and_bias:
+                    raise ValueError(
+                        f"{type(self).__name__}: the weight {self._param_names[weight]!r} is "
+                        f"shared by several modules (also {layer_name!r}); with "
+                        "convention='curvlinops' and separate_weight_and_bias=False, "
+                        "curvlinops' product is not symmetric there (an earlier module's "
+                        "bias reads the weight's columns, the weight not the bias's); pass "
+                        "separate_weight_and_bias=True or convention='avionics'."
+                    )
+                else:
+                    blocks.remove(weight_blocks.pop(weight))
             names = self._param_names
             if weight is not None and bias is not None and not self._separate_weight_and_bias:
                 blocks.append(
                     KroneckerBlock(layer, [weight, bias], True, True, [names[weight], names[bias]])
                 )
+                weight_blocks[weight] = blocks[-1]
                 continue
             if weight is not None:
                 blocks.append(KroneckerBlock(layer, [weight], True, False, [names[weight]]))
+                weight_blocks[weight] = blocks[-1]
             if bias is not None:
                 blocks.append(KroneckerBlock(layer, [bias], False, True, [names[bias]]))
         covered = {i for block in blocks for i in block.param_indices}
@@ -286,15 +347,20 @@ class KFACOperator(ModelDataOperator):
         layers = self._layers()
         sums = {id(layer): [None, None] for layer in layers}  # [sum_r a_r a_r^T, B]
         rows = {id(layer): 0 for layer in layers}
-        for weight, layer, a, g in self._backpropagated_rows("Kronecker factors"):
-            if self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
+        for weight, layer, a, g, calls in self._backpropagated_rows("Kronecker factors"):
+            # curvlinops' A of a layer called more than once: each call's rows averaged
+            per_call = len(calls) > 1 and self._convention == "curvlinops"
+            samples = len(a)
+            if per_call:
+                a, g = _curvlinops_calls(a, g, calls, self._kfac_approx)
+            elif self._kfac_approx == "reduce":  # one row per sample: mean a, summed g
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
             layer_sums = sums[id(layer)]
             _accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
                 _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
-            rows[id(layer)] += len(a)
+            rows[id(layer)] += samples if per_call else len(a)
         result = []
         for layer in layers:
             for i, shape in enumerate(self._factor_shapes(layer)[:2]):  # FOOF: B's is [0]
@@ -307,8 +373,9 @@ class KFACOperator(ModelDataOperator):
     def _factor_shapes(self, layer: nn.Module) -> list[tuple[int, ...]]:
         """The shapes of a layer's sums: [d_in (+ 1), same], [d_out, d_out] ([0] for
         ``"forward-only"``, whose B = I needs no sum), []."""
-        joint = any(b.layer is layer and b.has_weight and b.has_bias for b in self.blocks)
-        d_in, d_out = layer.weight[0].numel() + joint, layer.weight.shape[0]
+        joint = any(b.layer is layer and b.has_bias for b in self.blocks if b.has_weight)
+        d_out = layer.weight.shape[0]
+        d_in = layer.weight.numel() // d_out + joint
         B_shape = (0,) if self._fisher_type == "forward-only" else (d_out, d_out)
         return [(d_in, d_in), B_shape, ()]
 
@@ -316,50 +383,70 @@ class KFACOperator(ModelDataOperator):
         return list({id(block.layer): block.layer for block in self.blocks}.values())
 
     def _backpropagated_rows(self, desc: str):
-        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out]); g is
-        None for ``"forward-only"`` (no backward pass).
+        """Per batch and layer: (w_b, layer, a [N, R, d_in (+1)], g [K, N, R, d_out], the
+        rows per sample of each call); g is None for ``"forward-only"`` (no backward pass).
 
-        The rows of all calls of a layer are concatenated. The draws of a batch are seeded by
-        its index in the data set (:func:`~avionics.curvature._losses.batch_generator`), so
-        every pass sees the same sample, and sharded data the sample of one process.
+        The rows of all calls of a layer are concatenated, call after call. The draws of a
+        batch are seeded by its index in the data set
+        (:func:`~avionics.curvature._losses.batch_generator`), so every pass sees the same
+        sample, and sharded data the sample of one process.
         """
         layers = self._layers()
         joint = {id(b.layer) for b in self.blocks if b.has_weight and b.has_bias}
-        capture = Capture(self._model, layers)
-        parameters = None
-        if self._fisher_type == "forward-only":  # no backward pass: no graph to build
-            parameters = {name: p.detach() for name, p in self._model.named_parameters()}
+        forward_only = self._fisher_type == "forward-only"
+        capture = None if forward_only else Capture(self._model, layers)
         with MathAttention():
             for index, (X, y) in enumerate(self._batches(desc), start=self._first_batch):
-                output, calls = self._forward(X, capture, layers, parameters)
                 gradients = None
-                if self._fisher_type != "forward-only":
+                if forward_only:  # no backward pass: the inputs of a forward without a graph
+                    inputs = self._layer_inputs(X, layers)
+                else:
+                    output, calls = self._forward(X, capture, layers)
+                    inputs = {layer: [c.args[0].detach() for c in calls[layer]]
+                              for layer in layers}  # fmt: skip
                     generator = batch_generator(self._seed, index, self.device)
                     vectors = self._output_vectors(output.detach(), y, generator)  # [K, *f]
                     gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
                 for layer in layers:
-                    a = [_input_rows(layer, c.args[0].detach(), id(layer) in joint)
-                         for c in calls[layer]]  # fmt: skip
+                    a = [_input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
                     g = None
                     if gradients is not None:
                         g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
-                    yield weight, layer, _concatenated(a, 1), g
+                    yield weight, layer, _concatenated(a, 1), g, [len(t[0]) for t in a]
 
     def _forward(
-        self, X, capture: Capture, layers: list[nn.Module], parameters: dict | None = None
+        self, X, capture: Capture, layers: list[nn.Module]
     ) -> tuple[Tensor, dict[nn.Module, list[ModuleCall]]]:
-        """Run the model (with ``parameters`` in place of its own, if given); return its
-        output (in the graph) and each layer's calls."""
+        """Run the model; return its output (in the graph) and each layer's calls."""
         capture.arm()
         try:
             with torch.enable_grad():  # the capture records calls with gradients enabled
-                output = forward_keeping_buffers(self._model, X, parameters)
+                output = forward_keeping_buffers(self._model, X)
         finally:
             capture.disarm()
         calls = {layer: [c for c in capture.calls if c.module is layer] for layer in layers}
         capture.release()
-        not_called = [name for name, m in self._model.named_modules() if m in layers
+        self._check_called(calls)
+        return output, calls
+
+    def _layer_inputs(self, X, layers: list[nn.Module]) -> dict[nn.Module, list[Tensor]]:
+        """The input of every call of each layer, by forward pre-hooks on a forward pass
+        without autograd (``"forward-only"`` needs no graph)."""
+        inputs = {layer: [] for layer in layers}
+        handles = [layer.register_forward_pre_hook(
+            lambda module, args: inputs[module].append(args[0])) for layer in layers]  # fmt: skip
+        try:
+            with torch.no_grad():
+                forward_keeping_buffers(self._model, X)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._check_called(inputs)
+        return inputs
+
+    def _check_called(self, calls: dict[nn.Module, list]) -> None:
+        not_called = [name for name, m in self._model.named_modules() if m in calls
                       and not calls[m]]  # fmt: skip
         if not_called:
             raise ValueError(
@@ -368,7 +455,6 @@ class KFACOperator(ModelDataOperator):
                 "(e.g. the out_proj of nn.MultiheadAttention, whose weight is used directly), "
                 "so their inputs and outputs cannot be seen; leave their parameters out."
             )
-        return output, calls
 
     def _output_vectors(self, output: Tensor, y: Tensor, generator) -> Tensor:
         """The s_k, stacked [K, *output.shape], with Lambda_b = sum_k s_k s_k^T."""
@@ -465,8 +551,11 @@ class KFACOperator(ModelDataOperator):
 
     def load_state_dict(self, state: dict) -> None:
         """Replace the factors by those of ``state`` (from :meth:`state_dict`), after checking
-        that everything in it matches this operator; nothing changes otherwise."""
-        self._load_factor_state(check_state(self, state))
+        that everything in it matches this operator and its factors are finite; nothing
+        changes otherwise."""
+        factors = check_state(self, state)
+        self._unchecked = None  # factors loaded before are replaced unseen
+        self._load_factor_state(factors)
 
     @classmethod
     def from_state_dict(cls, state: dict, model: nn.Module, loss_fn, params, data, *,
@@ -475,7 +564,11 @@ class KFACOperator(ModelDataOperator):
         ``params`` and ``data`` with the stored factors, configuration and ``num_data``: no
         pass over the data (a later pass, e.g. ``check_deterministic``, checks that its size
         is the stored ``num_data``; sharded data is counted, as every process needs the
-        shards' sizes). ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``."""
+        shards' sizes). ``kwargs``: ``batch_size_fn``, ``progressbar``, ``distributed``.
+
+        Everything in the state is checked here but the factors' finiteness, which is checked
+        at their first use (a product, :meth:`inverse`, a scalar, :meth:`state_dict`,
+        ``blocks``): a factor with a NaN or inf entry raises a ValueError naming it there."""
         configuration = state.get("configuration") if isinstance(state, dict) else None
         if not isinstance(configuration, dict):
             raise ValueError(
@@ -491,126 +584,14 @@ class KFACOperator(ModelDataOperator):
         operator = cls.__new__(cls)
         operator._configure(model, loss_fn, params, data, **configuration, num_data=num_data,
                             **kwargs)  # fmt: skip
-        operator.load_state_dict(state)
+        # the factors are checked finite at their first use (any product, inverse, scalar or
+        # state): the check reads every entry, as long as loading all the rest
+        factors = check_state(operator, state, finite=False)
+        operator._load_factor_state(factors)
+        operator._unchecked = factors
         if check_deterministic:
             operator._check_deterministic()
         return operator
-
-
-class EKFACOperator(KFACOperator):
-    r"""EKFAC: KFAC with its eigenvalues corrected to the exact second moments.
-
-    In the eigenbasis of B (x) A (B = Q_B diag(b) Q_B^T, A = Q_A diag(a) Q_A^T) KFAC's
-    eigenvalues b_i a_j are replaced by the diagonal of the curvature block in that basis
-    (George et al., "Fast approximate natural gradient descent in a Kronecker-factored
-    eigenbasis", 2018, eq. 7),
-
-    .. math:: S_{ij} = \sum_b w_b \sum_{k, n} \big( Q_B^\top G_{k,n} Q_A \big)_{ij}^2,
-              \qquad G_{k,n} = \sum_r g_{k,n,r} a_{n,r}^\top,
-
-    G_{k,n} the per-sample gradients of the backpropagated vectors (see
-    :class:`KFACOperator`), computed in a second pass over the data with the same draws. The
-    product is Q_B ((Q_B^T V Q_A) * S) Q_A^T. For sharded data the eigenbases are those of
-    the all-reduced factors, the same on every process, and one all_reduce adds the
-    processes' sums S. Arguments as for :class:`KFACOperator` (but not ``"forward-only"``:
-    the corrections need the backpropagated vectors). :meth:`trace`, :meth:`logdet`,
-    :meth:`det` and :meth:`frobenius_norm` are those of the corrected eigenvalues S; the
-    inverse has exact damping only.
-    """
-
-    FISHER_TYPES = ("mc", "type-2", "empirical")
-    STATE_FACTORS = ("B", "A", "Q_B", "Q_A", "S")
-
-    def _compute_factors(self) -> None:
-        super()._compute_factors()
-        eigenvectors: dict[int, Tensor] = {}  # each factor once (a weight and its bias share B)
-
-        def eigenbasis(factor: Tensor) -> Tensor:
-            if id(factor) not in eigenvectors:
-                eigenvectors[id(factor)] = torch.linalg.eigh(factor)[1]
-            return eigenvectors[id(factor)]
-
-        bases = {id(block): (eigenbasis(block.B), eigenbasis(block.A)) for block in self.blocks}
-        shapes = [(len(Q_B), len(Q_A)) for Q_B, Q_A in bases.values()]
-        corrections = self._sum_over_processes(
-            lambda: self._local_corrections(bases), shapes, "eigenvalue corrections"
-        )
-        self._spectra = {
-            id(block): (Q_B, Q_A, None, None, S)
-            for block, (Q_B, Q_A), S in zip(self.blocks, bases.values(), corrections)
-        }
-
-    def _local_corrections(self, bases: dict) -> list[Tensor]:
-        """S of every block over this process's data, from the eigenbases (Q_B, Q_A)."""
-        S = {
-            key: torch.zeros(len(Q_B), len(Q_A), dtype=self.dtype, device=self.device)
-            for key, (Q_B, Q_A) in bases.items()
-        }
-        for weight, layer, a, g in self._backpropagated_rows("eigenvalue correction"):
-            for block in (b for b in self.blocks if b.layer is layer):
-                Q_B, Q_A = bases[id(block)]
-                rows = a if block.has_weight else torch.ones_like(a[..., :1])
-                g_rotated, a_rotated = g @ Q_B, rows @ Q_A  # [K, N, R, d_out], [N, R, d_A]
-                if a.shape[1] == 1:
-                    # one row per sample: G_{k,n} = g_{k,n} a_n^T is of rank one, so
-                    # (Q_B^T G Q_A)_ij^2 = (Q_B^T g)_i^2 (Q_A^T a)_j^2 and S a matrix product
-                    squares = g_rotated[:, :, 0].square().sum(dim=0)  # [N, d_out]
-                    S[id(block)].addmm_(squares.T, a_rotated[:, 0].square(), alpha=weight)
-                    continue
-                rotated = torch.einsum("knro,nri->knoi", g_rotated, a_rotated)
-                S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
-        return [S[id(block)] for block in self.blocks]
-
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
-            Q_B, Q_A, _, _, S = self._spectra[id(block)]
-            return Q_B @ (((Q_B.T @ (V @ Q_A)) * S) @ Q_A.T)
-
-        return blockwise(self.blocks, M, apply)
-
-    def inverse(self, damping: float, *, mode: str = "exact",
-                min_damping: float = 1e-8) -> CurvatureLinearOperator:  # fmt: skip
-        """The damped inverse (EKFAC + damping I)^{-1}, block by block (KFACInverseOperator);
-        only ``mode="exact"``: EKFAC is no Kronecker product whose factors could be damped."""
-        if mode != "exact":
-            raise ValueError(
-                f"EKFACOperator.inverse supports mode='exact' only (its corrected eigenvalues "
-                f"are not products of two factors' eigenvalues), got mode={mode!r}; use "
-                "KFACOperator for damping per factor."
-            )
-        return super().inverse(damping, mode=mode, min_damping=min_damping)
-
-    def _eigenvalues(self) -> Tensor:
-        """The corrected eigenvalues S of every block, flat: EKFAC's spectrum."""
-        return torch.cat([self._spectra[id(block)][4].flatten() for block in self.blocks])
-
-    def trace(self) -> Tensor:
-        """tr = sum of the corrected eigenvalues."""
-        return self._eigenvalues().sum()
-
-    def logdet(self) -> Tensor:
-        """log det = sum of the logs of the corrected eigenvalues (-inf if one is 0)."""
-        return self._eigenvalues().log().sum()
-
-    def det(self) -> Tensor:
-        """det = product of the corrected eigenvalues (prefer :meth:`logdet`)."""
-        return self._eigenvalues().prod()
-
-    def frobenius_norm(self) -> Tensor:
-        """||EKFAC||_F = the 2-norm of the corrected eigenvalues (Q_B (x) Q_A is orthogonal)."""
-        return self._eigenvalues().norm()
-
-    def _factor_state(self) -> list[dict[str, Tensor]]:
-        # the eigenbases too: eigh's eigenvectors are unique up to signs and rotations only
-        return [{"B": block.B, "A": block.A, "Q_B": self._spectra[id(block)][0],
-                 "Q_A": self._spectra[id(block)][1], "S": self._spectra[id(block)][4]}
-                for block in self.blocks]  # fmt: skip
-
-    def _load_factor_state(self, factors: list[dict[str, Tensor]]) -> None:
-        for block, entry in zip(self.blocks, factors):
-            block.B, block.A = entry["B"], entry["A"]
-        self._spectra = {id(block): (entry["Q_B"], entry["Q_A"], None, None, entry["S"])
-                         for block, entry in zip(self.blocks, factors)}  # fmt: skip
 
 
 def _logdet(factor: Tensor) -> Tensor:
@@ -623,11 +604,36 @@ def _logdet(factor: Tensor) -> Tensor:
 
 
 def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
-    """sums[i] += weight rows^T rows, in place after the first batch."""
-    if sums[i] is None:
-        sums[i] = torch.mm(rows.T, rows) if weight == 1.0 else weight * torch.mm(rows.T, rows)
-    else:
-        sums[i].addmm_(rows.T, rows, alpha=weight)
+    """sums[i] += weight rows^T rows (sums[i] made at the first batch). Of a wide Gram matrix
+    (d >= 512) only the blocks on and above the diagonal are multiplied, in 4 row blocks,
+    and mirrored: 5/8 of the products (for 128 rows of 784 on one thread, 1.2 ms for 1.6)."""
+    d = rows.shape[1]
+    first = sums[i] is None
+    if first:
+        sums[i] = rows.new_empty(d, d)
+    gram, parts = sums[i], 4 if d >= 512 else 1
+    edges = [d * k // parts for k in range(parts + 1)]
+    for start, end in zip(edges[:-1], edges[1:]):
+        # beta = 0 ignores the uninitialised entries of a new sum
+        gram[start:end, start:].addmm_(rows[:, start:end].T, rows[:, start:],
+                                       beta=0.0 if first else 1.0, alpha=weight)  # fmt: skip
+        gram[end:, start:end].copy_(gram[start:end, end:].T)
+
+
+def _curvlinops_calls(a: Tensor, g: Tensor | None, calls: list[int], kfac_approx: str):
+    """Rows a [N, R, d_A] and g [K, N, R, d_out] of a layer called more than once, made
+    so that the Gram matrices over samples are curvlinops' factors: the sum over the calls c
+    of each call's A_c (its rows averaged) and B_c. For "expand" each call's rows a are
+    scaled by 1 / sqrt(R_c), its R_c rows per sample (A = (1/N) sum_c (1/R_c) sum_r a a^T);
+    for "reduce" every call is reduced on its own (mean a, summed g): one row per sample and
+    call."""
+    a_calls = a.split(calls, dim=1)
+    if kfac_approx == "reduce":
+        a = torch.stack([part.mean(dim=1) for part in a_calls], dim=1)
+        if g is not None:
+            g = torch.stack([part.sum(dim=2) for part in g.split(calls, dim=2)], dim=2)
+        return a, g
+    return torch.cat([part / math.sqrt(len(part[0])) for part in a_calls], dim=1), g
 
 
 def _concatenated(tensors: list[Tensor], dim: int) -> Tensor:

@@ -48,10 +48,12 @@ def operator_state(operator) -> dict:
     }
 
 
-def check_state(operator, state) -> list[dict[str, Tensor]]:
+def check_state(operator, state, *, finite: bool = True) -> list[dict[str, Tensor]]:
     """The factors of ``state``, on the operator's dtype and device, after checking that
-    every entry matches ``operator``; else a ValueError naming the first mismatch."""
+    every entry matches ``operator`` (and, if ``finite``, is finite: see :func:`check_finite`);
+    else a ValueError naming the first mismatch."""
     owner = f"{type(operator).__name__}.load_state_dict"
+    blocks = operator._blocks
     expected = operator_state_header(operator)
     if not isinstance(state, dict):
         raise ValueError(f"{owner} needs the dict that state_dict() returns, got "
@@ -70,23 +72,31 @@ def check_state(operator, state) -> list[dict[str, Tensor]]:
                 f"{value!r}; load a state saved from an operator with the same {key}."
             )
     factors = state["factors"]
-    if not isinstance(factors, list) or len(factors) != len(operator.blocks):
+    if not isinstance(factors, list) or len(factors) != len(blocks):
         raise ValueError(f"{owner}: the state's factors must be a list of one dict per block "
-                         f"({len(operator.blocks)}).")  # fmt: skip
+                         f"({len(blocks)}).")  # fmt: skip
     checked = [_check_block_factors(operator, block, entry, owner)
-               for block, entry in zip(operator.blocks, factors)]  # fmt: skip
-    # one check of all factors, each distinct tensor once, one host read: a NaN or inf entry
-    # spreads into its tensor's sum and into the sum of the sums (finite sums that overflow
-    # only send it to the search by block, which then finds nothing)
-    distinct = {id(tensor): tensor for entry in checked for tensor in entry.values()}
-    total = torch.stack([tensor.sum() for tensor in distinct.values()]).sum().item()
-    if not math.isfinite(total):
-        for block, entry in zip(operator.blocks, checked):
-            for key, tensor in entry.items():
-                if not bool(torch.isfinite(tensor).all()):
-                    raise ValueError(f"{owner}: factor {key} of block {block.describe()} is "
-                                     "not finite.")  # fmt: skip
+               for block, entry in zip(blocks, factors)]  # fmt: skip
+    if finite:
+        check_finite(operator, checked, owner)
     return checked
+
+
+def check_finite(operator, factors: list[dict[str, Tensor]], owner: str) -> None:
+    """A ValueError naming the first factor (by block) with a NaN or inf entry, if any.
+
+    One check of all factors, each distinct tensor once, one host read: a NaN or inf entry
+    spreads into its tensor's sum and into the sum of the sums (finite sums that overflow
+    only send it to the search by block, which then finds nothing)."""
+    distinct = {id(tensor): tensor for entry in factors for tensor in entry.values()}
+    total = torch.stack([tensor.sum() for tensor in distinct.values()]).sum().item()
+    if math.isfinite(total):
+        return
+    for block, entry in zip(operator._blocks, factors):
+        for key, tensor in entry.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise ValueError(f"{owner}: factor {key} of block {block.describe()} is not "
+                                 "finite.")  # fmt: skip
 
 
 def operator_state_header(operator) -> dict:
@@ -95,7 +105,7 @@ def operator_state_header(operator) -> dict:
         "version": STATE_VERSION,
         "operator": type(operator).__name__,
         "parameters": list(operator._param_names),
-        "blocks": [list(block.names) for block in operator.blocks],
+        "blocks": [list(block.names) for block in operator._blocks],
         "num_data": operator.num_data,
         "configuration": operator._configuration(),
     }

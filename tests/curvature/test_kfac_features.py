@@ -324,3 +324,33 @@ def test_logdet_of_a_singular_factor_is_minus_infinity():
                      fisher_type="type-2")  # fmt: skip
     assert K.logdet() == -float("inf")
     assert float(K.det()) == 0.0 == float(torch.linalg.det(dense(K)))
+
+
+@pytest.mark.parametrize("operator", [KFACOperator, EKFACOperator])
+def test_a_loaded_state_with_a_non_finite_factor_raises_at_its_first_use(operator):
+    """from_state_dict checks the factors' finiteness at their first use, naming the
+    factor, and at every use until a good state is loaded; load_state_dict at once."""
+    model, loss_fn, data, _ = problem("mlp")
+    K = operator(model, loss_fn, None, data, fisher_type="type-2")
+    state = K.state_dict()
+    key = "S" if operator is EKFACOperator else "A"
+    bad = {**state, "factors": [dict(f) for f in state["factors"]]}
+    bad["factors"][2][key] = bad["factors"][2][key].clone()
+    bad["factors"][2][key][1, 0] = float("inf")
+    message = rf"from_state_dict: factor {key} of block '2.weight' is not finite"
+    loaded = operator.from_state_dict(bad, model, loss_fn, None, data)
+    uses = [lambda: loaded @ torch.ones(loaded.shape[1], dtype=DT), loaded.trace,
+            loaded.logdet, loaded.frobenius_norm, loaded.state_dict,
+            lambda: loaded.inverse(1e-2), lambda: loaded.blocks]  # fmt: skip
+    for use in uses:
+        with pytest.raises(ValueError, match=message):
+            use()
+    with pytest.raises(ValueError, match=message):
+        operator.from_state_dict(bad, model, loss_fn, None, data, check_deterministic=True)
+    loaded.load_state_dict(state)  # a good state replaces the bad factors unseen
+    torch.testing.assert_close(dense(loaded), dense(K), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=rf"load_state_dict: factor {key} of block '2.weight'"):
+        loaded.load_state_dict(bad)
+    torch.testing.assert_close(dense(loaded), dense(K), rtol=0, atol=0)
+    good = operator.from_state_dict(state, model, loss_fn, None, data)
+    torch.testing.assert_close(dense(good), dense(K), rtol=0, atol=0)
