@@ -53,10 +53,21 @@ def _two_calls(n=3, seed=3, dropout=0.0):
     return _TwoCalls(dropout=dropout).double(), X.double(), y, loss_fn
 
 
-def _spied(monkeypatch):
-    """The diagonals ggn_diagonal returned, the column groups the attention reduced, and the
-    modules the generic rule re-ran."""
-    seen = {"diagonals": [], "reduced": [], "reruns": [], "shared_axes": []}
+def _spied(monkeypatch, source="inside"):
+    """The diagonals ggn_diagonal returned, the column groups the attention reduced, the
+    sources of its projections' gradients, and the modules the generic rule re-ran; with
+    ``source="re-run"`` the attention re-runs its calls for the columns."""
+    seen = {"diagonals": [], "reduced": [], "reruns": [], "shared_axes": [], "sources": []}
+    if source == "re-run":
+        monkeypatch.setattr(attention_columns, "_taken_inside", lambda *args: False)
+    for kind in (attention_columns._Inside, attention_columns._ReRun):
+        made = kind.__init__
+
+        def spy_source(self, *args, made=made, kind=kind):
+            seen["sources"].append(kind.__name__)
+            made(self, *args)
+
+        monkeypatch.setattr(kind, "__init__", spy_source)
     diagonal = ggn_diagonal.ggn_diagonal
     reduce = attention_columns.AttentionColumnSums._reduce
     gradients = GenericRule._call_gradients
@@ -87,15 +98,19 @@ def _spied(monkeypatch):
     return seen
 
 
-def test_grouped_columns_give_the_exact_diagonal(monkeypatch):
+@pytest.mark.parametrize("source", ["inside", "re-run"])
+def test_grouped_columns_give_the_exact_diagonal(source, monkeypatch):
     """Two groups of columns (16 and 3), two calls of one module summed before the square:
     every parameter's diagonal equals the dense GGN's, and the attention is re-run by the
-    column sums (two reductions), never by the generic rule; the embedding (a Linear over
-    positions) sums its columns a group at a time too."""
+    column sums (two reductions), never by the generic rule, from the projections' gradients
+    read inside the columns' backward or from one re-run of each call; the embedding (a
+    Linear over positions) sums its columns a group at a time too."""
     model, X, y, loss_fn = _two_calls()
-    seen = _spied(monkeypatch)
+    seen = _spied(monkeypatch, source)
     _run(model, X, y, loss_fn, [TICDiag(curvature="diag_ggn_exact")])
     assert seen["reduced"] == [16, 3] and seen["shared_axes"] == [16, 3]
+    kind = "_Inside" if source == "inside" else "_ReRun"
+    assert seen["sources"] == [kind, kind]
     assert model.attn not in seen["reruns"]
     expected = torch.diagonal(dense_ggn(model, X, y, loss_fn))
     sizes = [p.numel() for p in _params(model)]
@@ -106,10 +121,11 @@ def test_grouped_columns_give_the_exact_diagonal(monkeypatch):
     assert all(f.abs().sum() > 0 for f in found)
 
 
-def test_grouped_columns_give_the_exact_traces(monkeypatch):
+@pytest.mark.parametrize("source", ["inside", "re-run"])
+def test_grouped_columns_give_the_exact_traces(source, monkeypatch):
     """With traces alone, the attention's sums are the dense GGN's per-parameter traces."""
     model, X, y, loss_fn = _two_calls(seed=4)
-    seen = _spied(monkeypatch)
+    seen = _spied(monkeypatch, source)
     (out,) = _run(model, X, y, loss_fn, [HessTrace(curvature="diag_ggn_exact")])
     assert seen["reduced"] == [16, 3]
     h = torch.diagonal(dense_ggn(model, X, y, loss_fn))
@@ -119,11 +135,15 @@ def test_grouped_columns_give_the_exact_traces(monkeypatch):
     )
 
 
-def test_dropout_in_train_mode_matches_the_column_by_column_re_run(monkeypatch):
+@pytest.mark.parametrize("source", ["inside", "re-run"])
+def test_dropout_in_train_mode_matches_the_column_by_column_re_run(source, monkeypatch):
     """Attention dropout in train mode (no dense reference: the masks are the step's): the
-    grouped columns give the diagonal of the rule re-run once per column (both draw the
-    call's masks again from its random state), and both differ from the masks' absence."""
+    grouped columns (their gradients read inside the backward, or one re-run drawing the
+    call's masks again) give the diagonal of the rule re-run once per column, and both
+    differ from the masks' absence."""
     model, X, y, loss_fn = _two_calls(seed=5, dropout=0.5)
+    if source == "re-run":
+        monkeypatch.setattr(attention_columns, "_taken_inside", lambda *args: False)
     found = {}
     diagonal = ggn_diagonal.ggn_diagonal
 

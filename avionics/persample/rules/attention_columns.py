@@ -22,10 +22,18 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor, nn
+from torch.autograd.graph import GradientEdge
 
 from avionics.curvature.step._autograd import batched_grad
 from avionics.persample.precision import computing
-from avionics.persample.rules.attention import _rerun, _time_major, _time_major_gradient
+from avionics.persample.rules.attention import (
+    _WIDTHS,
+    _rerun,
+    _taken_inside,
+    _time_major,
+    _time_major_gradient,
+)
+from avionics.persample.rules.base import ColumnSums
 
 # columns pending before they go back through the re-run attention together
 COLUMN_GROUP = 16
@@ -33,48 +41,53 @@ COLUMN_GROUP = 16
 CHUNK_BYTES = 2**24
 
 
-class AttentionColumnSums:
+class AttentionColumnSums(ColumnSums):
     """sum over columns j of sum_n G^j_n^2 (or its sum, with ``traces``) for the parameters
-    ``names`` of an nn.MultiheadAttention whose calls the rule re-runs (see the module
-    docstring; :meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`)."""
+    ``names`` of an nn.MultiheadAttention (see the module docstring;
+    :meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`): each call's
+    projections' gradients read inside the columns' backward (:class:`_Inside`) or from its
+    re-run (:class:`_ReRun`)."""
 
     def __init__(self, module: nn.MultiheadAttention, calls, names: list[str], n: int, traces):
         self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
         self.in_proj = bool({"in_proj_weight", "in_proj_bias"} & set(names))
-        self.runs = []
-        for call in calls:
-            a, xs = _time_major(module, call)
-            xs = [computing(x) for x in xs]
-            with torch.enable_grad():
-                qkv, o = _rerun(module, a, xs, call.rng_state)
-            self.runs.append((xs, qkv, o))
-        self.out_weight = computing(module.out_proj.weight.detach())
-        self.pending: list[list[Tensor]] = []
+        self.sources = [
+            _Inside(module, call) if _taken_inside(module, call, n) else _ReRun(module, call)
+            for call in calls
+        ]
+        self.edges = [edge for source in self.sources for edge in source.edges]
+        self.pending: list[list[tuple[Tensor, list]]] = []
         self.totals: dict[str, Tensor] = {}
 
-    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
-        """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
-        self.pending.append([
-            computing(_time_major_gradient(self.module, call.with_grad_outputs(outs)))
-            for call, outs in zip(self.calls, grad_outputs, strict=True)
-        ])  # fmt: skip
+    def add(self, grad_outputs: list[list[Tensor | None]], edge_grads=()) -> None:
+        """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``; ``edge_grads``:
+        its gradients at :attr:`edges` (None: none arrived)."""
+        edge_grads, column = list(edge_grads), []
+        for call, outs, source in zip(self.calls, grad_outputs, self.sources, strict=True):
+            delta = computing(_time_major_gradient(self.module, call.with_grad_outputs(outs)))
+            own, edge_grads = edge_grads[: len(source.edges)], edge_grads[len(source.edges) :]
+            column.append((delta, own))
+        self.pending.append(column)
         if len(self.pending) == COLUMN_GROUP:
             self._reduce()
 
     def _reduce(self) -> None:
         """The pending columns' squared per-sample gradients, added to the totals."""
-        deltas = [torch.stack(ds) for ds in zip(*self.pending, strict=True)]  # [K, T, N, E]
+        per_call = list(zip(*self.pending, strict=True))
         self.pending = []
         factors = []  # per call: (x, delta) per form, time-major, delta with the column axis
-        for (xs, qkv, o), delta in zip(self.runs, deltas, strict=True):
+        for source, columns in zip(self.sources, per_call, strict=True):
+            delta = torch.stack([d for d, _ in columns])  # [K, T, N, E]
             forms = {}
             if self.in_proj:
-                dq, dk, dv = batched_grad([o], list(qkv), [delta @ self.out_weight])
-                forms["in_proj"] = list(zip(xs, (dq, dk, dv), strict=True))
-            forms["out_proj"] = [(o.detach(), delta)]
+                grads = source.projections(delta, [g for _, g in columns])
+                forms["in_proj"] = list(zip(source.xs, grads, strict=True))
+            if source.o is not None:
+                forms["out_proj"] = [(source.o, delta)]
             factors.append(forms)
-        k, e = len(deltas[0]), self.module.embed_dim
-        step = max(1, CHUNK_BYTES // (k * 4 * e * e * deltas[0].element_size()))
+        k, e = len(per_call[0]), self.module.embed_dim
+        size = per_call[0][0][0].element_size()
+        step = max(1, CHUNK_BYTES // (k * 4 * e * e * size))
         for start in range(0, self.n, step):
             stop = min(self.n, start + step)
             for form in factors[0]:
@@ -96,6 +109,57 @@ class AttentionColumnSums:
             self._reduce()
         return [self.totals[name].mul_(scale) if name in self.totals else None
                 for name in self.names]  # fmt: skip
+
+
+class _ReRun:
+    """A call's attention re-run (identity projections, the call's dropout masks drawn
+    again), its graph kept: (dq, dk, dv) of K columns by one batched vector-Jacobian product
+    with do = delta W_o."""
+
+    edges = ()
+
+    def __init__(self, module: nn.MultiheadAttention, call):
+        a, xs = _time_major(module, call)
+        self.xs = [computing(x) for x in xs]
+        with torch.enable_grad():
+            self.qkv, o = _rerun(module, a, self.xs, call.rng_state)
+        self.o = o.detach()
+        self._o, self.out_weight = o, computing(module.out_proj.weight.detach())
+
+    def projections(self, delta: Tensor, _) -> list[Tensor]:
+        """[K, T, N, E] each of q, k and v."""
+        return list(batched_grad([self._o], self.qkv, [delta @ self.out_weight]))
+
+
+class _Inside:
+    """A call whose projections the capture found in its graph
+    (:class:`~avionics.persample.rules.attention.Inside`): the columns' gradients w.r.t. the
+    products' outputs are read in the columns' own backward, at :attr:`edges` (no re-run)."""
+
+    def __init__(self, module: nn.MultiheadAttention, call):
+        found = call.inside
+        xs = [computing(x.detach()) for x in found.inputs]
+        self.xs = [x.transpose(0, 1) for x in xs] if module.batch_first else xs
+        t, n, e = self.xs[0].shape
+        self.o = None if found.o is None else computing(found.o).reshape(t, n, e)
+        self.edges = [GradientEdge(node, 0) for node in found.nodes]
+        widths = _WIDTHS[len(found.pieces)]  # (in units of E)
+        self.shapes = [(self.xs[p].shape[0], n, widths[p] * e) for p in found.pieces]
+        self.e = e
+
+    def projections(self, delta: Tensor, grads: list[list[Tensor | None]]) -> list[Tensor]:
+        """[K, T, N, E] each of q, k and v, from the columns' gradients at :attr:`edges`
+        (``grads[j][i]``: column j's at edge i, [T N, width] in (t, n) order)."""
+        blocks = []
+        for i, shape in enumerate(self.shapes):
+            g = [
+                torch.zeros(shape, dtype=delta.dtype, device=delta.device)
+                if column[i] is None
+                else computing(column[i]).reshape(shape)
+                for column in grads
+            ]
+            blocks += torch.stack(g).split(self.e, -1)
+        return blocks
 
 
 def _chunk_gradients(per_call: list[list[tuple[Tensor, Tensor]]], start: int, stop: int):
