@@ -15,9 +15,10 @@ Each column goes back from the model output to every captured module output (non
 output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
 the squared per-sample gradients are summed over the columns by each parameter's per-layer
 rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
-form for Linear layers without shared axes, all columns in one product per sample for
-convolutions, the rule's own statistics for everything else), routed as the per-sample
-engine routes the parameter.
+form for Linear layers without shared axes, all columns of a group in one product per
+sample for convolutions, Linear layers with shared axes and attention (whose projections'
+gradients are read inside the columns' backward), the rule's own statistics for everything
+else), routed as the per-sample engine routes the parameter.
 
 Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
 some sample's loss reaches, so none for padding or the position a causal shift drops): K

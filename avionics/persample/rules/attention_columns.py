@@ -8,12 +8,14 @@ column's output gradient delta^j in place of the loss's: for sample n
     G^j_n(b)   = sum_t [dq^j_t; dk^j_t; dv^j_t],
     G^j_n(W_o) = sum_t delta^j_t o_t^T,        G^j_n(b_o) = sum_t delta^j_t,
 
-with (dq^j, dk^j, dv^j) the vector-Jacobian product of the attention o(q, k, v) with
-do^j = delta^j W_o. The attention is re-run once per step on the captured inputs (as the
-rule's re-run: identity projections, the call's dropout masks drawn again) and its graph
-kept; the columns' output gradients are kept and, up to :data:`COLUMN_GROUP` at a time, go
-back through it in one batched vector-Jacobian product (``is_grads_batched``), and each
-form is one product over the positions for all columns and samples of a chunk,
+with (dq^j, dk^j, dv^j) the gradients w.r.t. the projections' outputs. Where the capture found
+the projections in the call's graph (:class:`~avionics.persample.rules.attention.Inside`),
+they are read in the columns' own batched backward (at :attr:`AttentionColumnSums.edges`):
+no re-run. Else the attention is re-run once per step on the captured inputs (as the rule's
+re-run: identity projections, the call's dropout masks drawn again), its graph kept, and
+(dq^j, dk^j, dv^j) is its vector-Jacobian product with do^j = delta^j W_o, up to
+:data:`COLUMN_GROUP` columns in one batched product (``is_grads_batched``). Each form is
+then one product over the positions for all columns and samples of a chunk,
 [N, K F, T] @ [N, T, I], squared and summed over n and j. The calls of one module add their
 gradients before the square (a module called twice has one per-sample gradient).
 """
@@ -99,7 +101,7 @@ class AttentionColumnSums(ColumnSums):
                  "out_proj": ("out_proj.weight", "out_proj.bias")}[form]  # fmt: skip
         for name, g in zip(names, (weight, bias), strict=True):
             if name in self.names:
-                s = g.square().sum((0, 1))
+                s = g.square_().sum((0, 1))  # (g: this chunk's own)
                 s = s.sum() if self.traces else s
                 self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
 
