@@ -15,9 +15,10 @@ Each column goes back from the model output to every captured module output (non
 output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
 the squared per-sample gradients are summed over the columns by each parameter's per-layer
 rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
-form for Linear layers without shared axes, all columns in one product per sample for
-convolutions, the rule's own statistics for everything else), routed as the per-sample
-engine routes the parameter.
+form for Linear layers without shared axes, all columns of a group in one product per
+sample for convolutions, Linear layers with shared axes and attention (whose projections'
+gradients are read inside the columns' backward), the rule's own statistics for everything
+else), routed as the per-sample engine routes the parameter.
 
 Cost, with K columns (V - 1 = 9 for 10 classes; for a token-level loss, V - 1 per position that
 some sample's loss reaches, so none for padding or the position a causal shift drops): K
@@ -96,8 +97,9 @@ def ggn_diagonal(
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
     # the model output is often a captured output too (a final Linear): its column is given
     inner = [i for i, k in enumerate(sums.keys) if k != output_key(root.nodes[0])]
-    # and the root's parameters with closed forms need the gradients at their use nodes
-    edges = [sums.edges[i] for i in inner] + sums.shared_edges
+    # and the sums that read the columns elsewhere (the root parameters' use nodes, the
+    # attention's projections) need their gradients there
+    edges = [sums.edges[i] for i in inner] + sums.sum_edges
     for group in _groups(columns):
         group = torch.stack([c.reshape(moved_shape).movedim(0, root.batch_axis) for c in group])
         found = _backward(out_edge, edges, group)
@@ -105,8 +107,8 @@ def ggn_diagonal(
             grads = [column] * len(sums.edges)
             for i, g in zip(inner, found[: len(inner)], strict=True):
                 grads[i] = None if g is None else g[j]
-            shared = [None if g is None else g[j] for g in found[len(inner) :]]
-            sums.add(_float(grads), _float(shared))
+            inside = [None if g is None else g[j] for g in found[len(inner) :]]
+            sums.add(_float(grads), _float(inside))
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
 
 
@@ -142,6 +144,12 @@ def _float(grads) -> list[Tensor | None]:
     return [g.float() if g is not None and g.dtype in _HALF else g for g in grads]
 
 
+def _edges(sums) -> tuple:
+    """Where column sums read the columns' gradients besides the captured outputs
+    (:attr:`ColumnSums.edges <avionics.persample.rules.base.ColumnSums.edges>`)."""
+    return tuple(getattr(sums, "edges", ()))
+
+
 def _root_call(model: nn.Module, calls: dict, n: int):
     roots = calls.get(model, [])
     if len(roots) != 1 or len(roots[0].nodes) != 1:
@@ -173,7 +181,7 @@ class _ColumnSums:
     ||a||^2 + ||b||^2). Parameters used directly in the forward whose per-sample gradients
     the captured backward had in closed form (the main step's
     :class:`~avionics.persample.rules.broadcast.SharedParameterRule`) get them here by the
-    same forms, from the columns' gradients at their use nodes (:attr:`shared_edges`), not
+    same forms, from the columns' gradients at their use nodes (:attr:`sum_edges`), not
     by the generic rule's re-run of the whole model.
     """
 
@@ -201,7 +209,6 @@ class _ColumnSums:
                 call.check_inputs_unchanged(engine.module_name(module))
         self.sums = {}
         shared = self._shared_parameter_sums(single, root)
-        self.shared_edges = [e for sums in shared.values() for e in sums.edges]
         for module, names in single.items():
             if module in shared:
                 self.sums[module] = shared[module]
@@ -210,6 +217,8 @@ class _ColumnSums:
                 self.sums[module] = rule_for(module, names).column_sums(
                     module, calls[module], names, n, traces
                 )
+        # where the sums read the columns' gradients besides the captured outputs, in order
+        self.sum_edges = [e for sums in self.sums.values() for e in _edges(sums)]
         self.totals: list[Tensor | None] = [None] * len(params)
 
     def _shared_parameter_sums(self, single: dict, root) -> dict:
@@ -242,19 +251,22 @@ class _ColumnSums:
             outs.append(call_outs)
         return outs
 
-    def add(self, grads, shared_grads) -> None:
+    def add(self, grads, edge_grads) -> None:
         """One column: its gradients w.r.t. the captured outputs (in :attr:`keys` order) and at
-        :attr:`shared_edges`."""
+        :attr:`sum_edges`."""
         by_key = dict(zip(self.keys, grads, strict=True))
-        shared_grads = list(shared_grads)
+        edge_grads = list(edge_grads)
         with torch.no_grad():
             for module, sums in self.sums.items():
+                k = len(_edges(sums))
+                own, edge_grads = edge_grads[:k], edge_grads[k:]
                 if isinstance(sums, SharedParameterColumnSums):
-                    sums.add(shared_grads[: len(sums.edges)])
-                    shared_grads = shared_grads[len(sums.edges) :]
+                    sums.add(own)
                 elif type(sums) is ColumnSums:  # the rule's own statistics: name its errors
                     with self.engine.naming(module):
                         sums.add(self._grad_outputs(module, by_key))
+                elif k:  # a closed form that reads gradients inside the module
+                    sums.add(self._grad_outputs(module, by_key), own)
                 else:  # a closed form over the columns (Linear, convolution)
                     sums.add(self._grad_outputs(module, by_key))
             if self.summed:

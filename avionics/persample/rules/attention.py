@@ -100,6 +100,21 @@ class AttentionRule(FactoredWeights, GenericRule):
     def is_weight(name: str) -> bool:
         return name.endswith("weight")
 
+    @classmethod
+    def column_sums(cls, module, calls, names, n, traces):
+        """Where every call can be re-run (:func:`_reproducible`), all columns of a group
+        through one re-run and one batched vector-Jacobian product
+        (:class:`~avionics.persample.rules.attention_columns.AttentionColumnSums`); else the
+        rule on each column."""
+        if not (
+            covers_attention(module, names) and all(_reproducible(module, c, n) for c in calls)
+        ):
+            return super().column_sums(module, calls, names, n, traces)
+        # (imported here: it builds on this module's re-run)
+        from avionics.persample.rules.attention_columns import AttentionColumnSums
+
+        return AttentionColumnSums(module, calls, names, n, traces)
+
 
 def _covered(module: nn.Module) -> bool:
     """Whether ``module`` is an nn.MultiheadAttention running its own forward with the packed
@@ -312,24 +327,32 @@ def _call_factors(module: nn.MultiheadAttention, call, n: int) -> dict[str, tupl
     """(x, delta) of the in-projection (3 groups) and of W_o for one call, [N, G, T, features],
     by re-running the attention."""
     a, xs = _time_major(module, call)
+    qkv, o = _rerun(module, a, xs, call.rng_state)
+    delta = _time_major_gradient(module, call)
+    grads = torch.autograd.grad(o, qkv, delta @ computing(module.out_proj.weight.detach()))
+    return {
+        "in_proj_weight": (_per_sample(xs), _per_sample(grads)),
+        "out_proj.weight": (_per_sample([o.detach()]), _per_sample([delta])),
+    }
+
+
+def _rerun(module: nn.MultiheadAttention, a: dict, xs: list[Tensor], rng_state):
+    """((q, k, v), o): the call's attention re-run on its [T, N, E] inputs ``xs`` with
+    identity projections (exact: x I = x), q, k and v the tensors it is differentiated at; in
+    train mode with the dropout masks drawn again from ``rng_state``."""
     e = module.embed_dim
     # (a 16-bit module's parameters in float32, as its captured tensors)
     weight, bias = computing(module.in_proj_weight.detach()), module.in_proj_bias
     biases = [None] * 3 if bias is None else computing(bias.detach()).chunk(3)
-    q, k, v = (F.linear(x, w, b).requires_grad_() for x, w, b in zip(xs, weight.chunk(3), biases))
-    eye = torch.eye(e, dtype=q.dtype, device=q.device)
-    with replayed(call.rng_state) if call.rng_state is not None else nullcontext():
+    qkv = [F.linear(x, w, b).requires_grad_() for x, w, b in zip(xs, weight.chunk(3), biases)]
+    eye = torch.eye(e, dtype=qkv[0].dtype, device=qkv[0].device)
+    with replayed(rng_state) if rng_state is not None else nullcontext():
         o, _ = F.multi_head_attention_forward(
-            q, k, v, e, module.num_heads, None, None, None, None, False, module.dropout,
+            *qkv, e, module.num_heads, None, None, None, None, False, module.dropout,
             eye, None, training=module.training, key_padding_mask=a["key_padding_mask"],
             need_weights=a["need_weights"], attn_mask=a["attn_mask"],
             use_separate_proj_weight=True, q_proj_weight=eye, k_proj_weight=eye,
             v_proj_weight=eye, average_attn_weights=a["average_attn_weights"],
             is_causal=a["is_causal"],
         )  # fmt: skip
-    delta = _time_major_gradient(module, call)
-    grads = torch.autograd.grad(o, (q, k, v), delta @ computing(module.out_proj.weight.detach()))
-    return {
-        "in_proj_weight": (_per_sample(xs), _per_sample(grads)),
-        "out_proj.weight": (_per_sample([o.detach()]), _per_sample([delta])),
-    }
+    return qkv, o

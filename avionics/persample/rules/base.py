@@ -103,7 +103,12 @@ class Rule:
 
 class ColumnSums:
     """sum over columns j of sum_n g_{n,j}^2 (or its sum_d) for the parameters ``names`` of
-    ``module``, one column at a time through ``rule`` (see :meth:`Rule.column_sums`)."""
+    ``module``, one column at a time through ``rule`` (see :meth:`Rule.column_sums`).
+
+    ``edges``: where else in the graph a subclass reads each column's gradient (e.g. inside
+    the module); the column sums then call ``add(grad_outputs, edge_grads)``."""
+
+    edges: tuple = ()
 
     def __init__(self, rule: type[Rule], module, calls, names, n: int, traces: bool):
         self.rule, self.module, self.calls, self.names = rule, module, calls, names

@@ -37,10 +37,14 @@ class LinearRule(BilinearRule):
         sum_j sum_n g_{n,j}^2 = sum_n (sum_j delta_{n,j}^2) (x_n^2)^T: only sum_j delta_j^2 is
         accumulated over the columns, and one product forms the weight's sum (sum_n sum_j
         delta_{n,j}^2 for the bias); its trace is sum_n (sum_j ||delta_{n,j}||^2) ||x_n||^2
-        (N (I + O) per column instead of N I O in all). Else the default."""
-        if len(calls) != 1 or not _separable(calls[0], cls.in_features(module), n):
-            return super().column_sums(module, calls, names, n, traces)
-        return cls.column_sums_class(calls[0], names, n, traces)
+        (N (I + O) per column instead of N I O in all). With shared axes (nn.Linear), the
+        columns go together a group at a time (:class:`SharedAxesColumnSums`). Else the
+        default."""
+        if len(calls) == 1 and _separable(calls[0], cls.in_features(module), n):
+            return cls.column_sums_class(calls[0], names, n, traces)
+        if cls is LinearRule:
+            return SharedAxesColumnSums(calls, names, n, traces)
+        return super().column_sums(module, calls, names, n, traces)
 
     @staticmethod
     def in_features(module: nn.Module) -> int:
@@ -92,3 +96,59 @@ class LinearColumnSums(ColumnSums):
 
 
 LinearRule.column_sums_class = LinearColumnSums
+
+
+# columns kept before their per-sample gradients are formed together, and the bytes of one
+# chunk of those gradients [c, K, O, I]
+SHARED_AXES_GROUP = 16
+SHARED_AXES_CHUNK_BYTES = 2**24
+
+
+class SharedAxesColumnSums(ColumnSums):
+    """:meth:`LinearRule.column_sums` of nn.Linear calls with shared axes: for column j,
+    G_{n,j} = sum_t delta_{n,j,t} x_{n,t}^T over the calls' positions t (concatenated, as the
+    rule does). The columns' output gradients are kept, and a group of K at a time forms, a
+    chunk of samples at once, [c, K O, T] @ [c, T, I] -> G [c, K, O, I] in one product,
+    squared and summed over n and j (instead of the rule built and its plan run once per
+    column); the bias's G_{n,j} = sum_t delta_{n,j,t}."""
+
+    def __init__(self, calls, names: list[str], n: int, traces: bool):
+        self.calls, self.names, self.n, self.traces = calls, names, n, traces
+        xs = [batch_first(c.args[0], c.batch_axis, n, "Linear input") for c in calls]
+        self.x = torch.cat([x.reshape(n, -1, x.shape[-1]) for x in xs], 1)  # [N, T, I]
+        self.pending: list[Tensor] = []
+        self.totals: dict[str, Tensor] = {}
+
+    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
+        ds = []
+        for call, outs in zip(self.calls, grad_outputs, strict=True):
+            d = output_gradient(call.with_grad_outputs(outs))
+            d = batch_first(d, call.batch_axis, self.n, "Linear output")
+            ds.append(d.reshape(self.n, -1, d.shape[-1]))
+        self.pending.append(torch.cat(ds, 1))  # [N, T, O]
+        if len(self.pending) == SHARED_AXES_GROUP:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        delta = torch.stack(self.pending, 1)  # [N, K, T, O]
+        self.pending = []
+        n, k, t, o = delta.shape
+        x = self.x.to(delta.dtype)
+        step = max(1, SHARED_AXES_CHUNK_BYTES // (k * o * x.shape[-1] * delta.element_size()))
+        for start in range(0, n, step):
+            d = delta[start : start + step]
+            if "weight" in self.names:
+                g = torch.bmm(d.transpose(2, 3).reshape(len(d), k * o, t), x[start : start + step])
+                self._add("weight", g.square_().sum(0).unflatten(0, (k, o)).sum(0))
+            if "bias" in self.names:
+                self._add("bias", d.sum(2).square_().sum((0, 1)))
+
+    def _add(self, name: str, s: Tensor) -> None:
+        s = s.sum() if self.traces else s
+        self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        if self.pending:
+            self._reduce()
+        return [self.totals[name].mul_(scale) if name in self.totals else None
+                for name in self.names]  # fmt: skip
