@@ -478,7 +478,8 @@ def kept_rows(section: str, problem: str) -> dict[str, list[str]]:
     """The rows (operator -> cells) of ``problem``'s table in ``section``, to keep unmeasured."""
     match = re.search(rf"### {re.escape(problem)}\n.*?(?=\n+### |\s*\Z)", section, re.S)
     lines = match.group(0).splitlines() if match else []
-    rows = [line.strip("| ").split(" | ") for line in lines if line.startswith("| ")]
+    rows = [[c.strip() for c in line.strip()[1:-1].split("|")] for line in lines
+            if line.startswith("| ")]  # fmt: skip
     return {row[0]: row[1:] for row in rows[1:]}  # rows[0] is the header
 
 
