@@ -18,7 +18,7 @@ Beside the floor, forward-over-reverse by torch.func (``vmap(jvp(grad(f)))`` wit
 as a function of Z), the other exact way, measured to show which of the two is the floor.
 
 Times are the CPU time of the computing thread (``time.thread_time``, torch on one thread),
-the minimum over repeats with the implementations alternating. Before timing, the three are
+the median over repeats with the implementations alternating. Before timing, the three are
 checked to agree (relative difference at most 1e-6 in float64) on one case.
 
 Run: ``python -m benchmarks.activation_hessian`` (writes its section of BENCHMARKS.md).
@@ -38,7 +38,7 @@ from avionics.curvature import ActivationHessianOperator
 from avionics.curvature._data import MathAttention
 from benchmarks.curvature_operators import (
     COLUMNS,
-    alternating_min_times,
+    alternating_median_times,
     cnn_3c3d_problem,
     gpt_problem,
     mlp_problem,
@@ -164,11 +164,11 @@ def check_agreement(name: str) -> float:
 
 
 def measure(name: str, repeats: int) -> tuple[int, dict[str, float]]:
-    """D and the minimum CPU time (ms) of each product with 16 columns."""
+    """D and the median CPU time (ms) of each product with 16 columns."""
     with MathAttention():  # curvlinops cannot differentiate through the fused attention
         fns, D = products(name)
         V = torch.randn(D, COLUMNS, generator=torch.Generator().manual_seed(0))
-        times = alternating_min_times([lambda fn=fn: fn(V) for fn in fns.values()], repeats)
+        times = alternating_median_times([lambda fn=fn: fn(V) for fn in fns.values()], repeats)
     return D, dict(zip(fns, times))
 
 
@@ -193,7 +193,8 @@ def run(cases: list[str], repeat_scale: float) -> str:
     return (
         f"## Activation Hessian: avionics, curvlinops and the floor\n\n{machine()}; "
         f"curvlinops {version('curvlinops-for-pytorch')}. CPU time in ms of one thread of a "
-        f"product with {COLUMNS} columns (minimum over alternating repeats). The floor is one "
+        f"product with {COLUMNS} columns, on a shared machine under load (median over "
+        "alternating repeats). The floor is one "
         "batched double backward through d L / dZ, built once by hand from the network cut "
         "at Z as the backward of the closed-form d L / df (`benchmarks/activation_hessian.py`); "
         "forward-over-reverse is the other exact "

@@ -5,9 +5,9 @@ a small GPT (2 blocks, width 128, 4 heads, context 64, vocabulary 512; batch 32)
 operator: construction time (with the default determinism check), the time of one
 matrix-vector product and of a product with 16 columns, and the peak growth of the resident
 memory during the 16-column product; next to the time of one gradient. Times are the CPU time
-of the computing thread (``time.thread_time``, torch on one thread), the minimum over repeats
-with avionics and curvlinops alternating: on a shared machine wall-clock times mostly measure
-the neighbours.
+of the computing thread (``time.thread_time``, torch on one thread), the median over repeats
+of a product (the minimum for the features below) with avionics and curvlinops alternating:
+on a shared machine wall-clock times mostly measure the neighbours.
 
 The features beyond the operators' products (the Hessian's blocks, KFAC's scalars, damped
 inverses, FOOF, KFAC-reduce and state, XTrace / XDiag / the Jacobian's Frobenius norm,
@@ -17,13 +17,15 @@ of products.
 
 Run: ``python -m benchmarks.curvature_operators`` (writes its section of BENCHMARKS.md);
 ``--features`` times only the features and replaces their table in the section, and
-``--problems`` with some of the problems replaces only their tables.
+``--problems`` with some of the problems replaces only their tables; ``--operators`` with
+some of the operators measures only those and keeps the other rows of the tables as they are.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import threading
 import time
 import warnings
@@ -216,15 +218,26 @@ def timed_with_peak_memory(fn) -> tuple[float, float]:
     return milliseconds, max(peak[0], _rss_bytes()) / 2**20 - baseline / 2**20
 
 
-def alternating_min_times(fns: list, repeats: int) -> list[float]:
-    """Minimum CPU time (ms) of each function, calling them in turn ``repeats`` times."""
-    best = [float("inf")] * len(fns)
+def alternating_times(fns: list, repeats: int) -> list[list[float]]:
+    """CPU times (ms) of each function, calling them in turn ``repeats`` times."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        for i, fn in enumerate(fns):
+        for fn, fn_times in zip(fns, times):
             start = time.thread_time()
             fn()
-            best[i] = min(best[i], 1e3 * (time.thread_time() - start))
-    return best
+            fn_times.append(1e3 * (time.thread_time() - start))
+    return times
+
+
+def alternating_min_times(fns: list, repeats: int) -> list[float]:
+    """Minimum CPU time (ms) of each function, calling them in turn ``repeats`` times."""
+    return [min(fn_times) for fn_times in alternating_times(fns, repeats)]
+
+
+def alternating_median_times(fns: list, repeats: int) -> list[float]:
+    """Median CPU time (ms) of each function, calling them in turn ``repeats`` times (for an
+    even count, the mean of the middle two)."""
+    return [statistics.median(fn_times) for fn_times in alternating_times(fns, repeats)]
 
 
 def gradient_time(model, loss_fn, data, repeats: int) -> float:
@@ -274,8 +287,8 @@ def measure(factories, repeats: int) -> dict:
     for side, A in operators:
         A @ v  # warm-up
         _, results[side]["memory"] = timed_with_peak_memory(lambda A=A: A @ V)
-    vector_times = alternating_min_times([lambda A=A: A @ v for _, A in operators], repeats)
-    matrix_times = alternating_min_times(
+    vector_times = alternating_median_times([lambda A=A: A @ v for _, A in operators], repeats)
+    matrix_times = alternating_median_times(
         [lambda A=A: A @ V for _, A in operators], max(repeats - 1, 1)
     )
     for (side, _), t1, tk in zip(operators, vector_times, matrix_times):
@@ -461,21 +474,43 @@ def _format(value, digits=1) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-def run(problems: list[str], repeats: dict[str, int]) -> str:
+def kept_rows(section: str, problem: str) -> dict[str, list[str]]:
+    """The rows (operator -> cells) of ``problem``'s table in ``section``, to keep unmeasured."""
+    match = re.search(rf"### {re.escape(problem)}\n.*?(?=\n+### |\s*\Z)", section, re.S)
+    lines = match.group(0).splitlines() if match else []
+    rows = [[c.strip() for c in line.strip()[1:-1].split("|")] for line in lines
+            if line.startswith("| ")]  # fmt: skip
+    return {row[0]: row[1:] for row in rows[1:]}  # rows[0] is the header
+
+
+def run(problems: list[str], repeats: dict[str, int], operators: list[str] | None = None) -> str:
+    """The tables of ``problems``; of ``operators`` only (None: all), the other rows as they
+    are in the current section (an operator without a row there is left out)."""
     torch.manual_seed(0)
     sections = [
         f"## Curvature operators vs curvlinops\n\n{machine()}; curvlinops "
-        f"{version('curvlinops-for-pytorch')}. CPU times in ms of one thread (minimum over "
-        f"alternating repeats: {repeats}, after a warm-up of each: every operator "
-        f"constructed twice, the second timed; a 1-column and a {COLUMNS}-column product); "
-        f"memory = peak RSS growth during the first {COLUMNS}-column product (MiB). "
-        "ratio = curvlinops time / avionics time (> 1: avionics is faster)."
+        f"{version('curvlinops-for-pytorch')}. CPU times in ms of one thread, on a shared "
+        f"machine under load: products the median over alternating repeats ({repeats}; 16 "
+        f"columns one fewer), after a warm-up of each (a 1-column and a {COLUMNS}-column "
+        "product); construction once, after a first construction of each; memory = peak RSS "
+        f"growth during the first {COLUMNS}-column product (MiB). ratio = curvlinops time / "
+        "avionics time (> 1: avionics is faster)."
+        + (
+            f" Measured in this run: {', '.join(operators)}; the other rows are kept from the "
+            "previous run."
+            if operators is not None
+            else ""
+        )
     ]
     for name in problems:
         model, loss_fn, data, activation = PROBLEMS[name]()
         gradient_ms = gradient_time(model, loss_fn, data, repeats[name])
-        rows = []
+        rows, kept = [], kept_rows(current_section(), name)
         for kind, factories in operator_pairs(model, loss_fn, data, activation).items():
+            if operators is not None and kind not in operators:
+                if kind in kept:
+                    rows.append([kind, *kept[kind]])
+                continue
             print(f"{name}: {kind}", flush=True)
             # curvlinops cannot differentiate through the fused attention kernels (forward
             # mode, double backward); select the math kernel for it as avionics does itself.
@@ -516,6 +551,8 @@ def main() -> None:
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=list(PROBLEMS))
     parser.add_argument("--repeats", type=int, nargs=3, default=[10, 1, 2],
                         help="timed repeats on MLP, 3c3d, GPT")  # fmt: skip
+    parser.add_argument("--operators", nargs="+", default=None,
+                        help="measure only these operators (keep the other rows)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument(
         "--features",
@@ -529,8 +566,8 @@ def main() -> None:
     repeats = dict(zip(PROBLEMS, args.repeats))
     if args.features:
         markdown = with_features(current_section(), run_features(args.feature_repeats))
-    elif set(args.problems) != set(PROBLEMS):  # a re-run of some problems: their tables only
-        measured = run(args.problems, repeats)
+    elif set(args.problems) != set(PROBLEMS) or args.operators:  # their tables only
+        measured = run(args.problems, repeats, args.operators)
         markdown = with_problems(current_section(), measured, args.problems)
     else:
         markdown = with_features(run(args.problems, repeats), run_features(args.feature_repeats))

@@ -84,3 +84,17 @@ def test_engine_speed_quick_floors_equal_avionics_and_every_row_is_there(capsys,
         floors.Floor(nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2)), None)
     with pytest.raises(ValueError, match="'0' has groups=2, padding=.1, 1.*"):
         floors.Floor(nn.Sequential(nn.Conv2d(2, 2, 3, padding=1, groups=2)), None)
+
+
+def test_curvature_operators_keeps_the_rows_it_does_not_measure():
+    from benchmarks.curvature_operators import kept_rows
+
+    section = (
+        "## Curvature operators vs curvlinops\n\nmethod\n\n### MLP\n\nOne gradient: 1 ms.\n\n"
+        "| operator | a | b |\n|---|---|---|\n| GGN | 1.0 | 2.0 |\n| KFAC | 3.0 | 4.0 |\n\n"
+        "### 3c3d\n\n| operator | a | b | c |\n|---|---|---|---|\n"
+        "| KFAC | 5.0 | n/a (RuntimeError) |  |\n"
+    )
+    assert kept_rows(section, "MLP") == {"GGN": ["1.0", "2.0"], "KFAC": ["3.0", "4.0"]}
+    assert kept_rows(section, "3c3d") == {"KFAC": ["5.0", "n/a (RuntimeError)", ""]}
+    assert kept_rows(section, "GPT") == {}
