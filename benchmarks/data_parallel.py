@@ -270,7 +270,8 @@ def report(problem: str, result: dict) -> str:
     dim = result["parameters"]
     communication = result["communication"]
     lines = [
-        f"## Data parallelism: the cockpit beside a plain DDP step ({time.strftime('%Y-%m-%d')})",
+        f"## Data parallelism: the cockpit beside a plain DDP step ({time.strftime('%Y-%m-%d')}, "
+        "issues 26 and 29, helper dist)",
         "",
         "Measured by `python -m benchmarks.data_parallel` (its docstring says how).",
         "",
@@ -315,15 +316,16 @@ def report(problem: str, result: dict) -> str:
         "",
         "FSDP2: each child of the model with parameters and the model sharded by "
         "fully_shard; the economy step adds FSDP's unshard of the parameters for the rules "
-        "that read them (none in this mlp), two all-gathers of the parameters' size, of the "
-        "directions the per-sample statistics project onto (the mean gradient at the step, "
-        "Alpha's update when optimizer.step() returns), and a few small all-reduces. Alpha's "
-        "update cannot be left sharded: its observations' variances need each sample's "
-        "projection g_n . s, and process r holds g_n whole for its own samples only, s for "
-        "its own rows only (the other rows' part of g_n . s would need the other samples' "
-        "layer inputs and output gradients gathered instead, more than the parameters for "
-        "a sequence model). The two gathers could share one collective (s gathered with the "
-        "next step's mean gradient), not fewer bytes.",
+        "that read them (none in this mlp), one all-gather a tracked step of the directions "
+        "the per-sample statistics project onto (the step's mean gradient g_{t+1} and, at "
+        "Alpha's end step, its update s_t, measured there under sharding and packed into the "
+        "same all-gather: twice the parameters' size; were two all-gathers, s_t's when "
+        "optimizer.step() returned), and a few small all-reduces. Alpha's update cannot be "
+        "left sharded: its observations' variances need each sample's projection g_n . s, "
+        "and process r holds g_n whole for its own samples only, s for its own rows only "
+        "(the other rows' part of g_n . s would need the other samples' layer inputs and "
+        "output gradients gathered instead, more than the parameters for a sequence model). "
+        "The cost of the packing: the start step's capture is held until the end step.",
         "",
         "What the cockpit communicates per tracked step, beside DDP's gradient all-reduce "
         f"({dim:,} elements here, {GPT2_SMALL_PARAMETERS:,} for GPT-2 small): every "
@@ -375,13 +377,38 @@ def report(problem: str, result: dict) -> str:
         "",
         f"Target: one collective per tracked economy step: "
         f"{len(communication['economy'])} with equal shards, "
-        f"{len(communication['economy, unequal shards'])} with unequal ones, not met as "
-        "stated: the failure agreement's first collective must come before the backward's "
-        "collectives (else the others wait in DDP's all-reduce for a process that raised "
-        "before its backward until the group's timeout), and the sums exist only after the "
-        "backward, so two is the least that keeps it; with unequal shards the per-sample "
-        "statistics need the global mean gradient, whose sums (in the closing agreement) "
-        "must be added before the statistics' sums exist: three.",
+        f"{len(communication['economy, unequal shards'])} with unequal ones: not met, and "
+        "not possible while the failure agreement's guarantee holds (issue 28: no process "
+        "waits for one that raised; every process raises a clear error). The argument, "
+        "for a tracked step of W >= 2 processes under DDP (docs/cockpit.md, 'Why two "
+        "collectives'): (1) a process may raise anywhere in the user's block (its forward, "
+        "its loss: out of memory, bad data), which the cockpit cannot foresee, so the "
+        "'closing only, when no process can raise before the backward' case cannot be "
+        "detected. (2) A process that raised before its backward makes none of DDP's "
+        "bucket all-reduces, while the others start them when their backward reaches the "
+        "last layer: unless every process first meets in a collective the raising process "
+        "can also make (ours), the others wait in DDP's bucket until the group's timeout. "
+        "Riding the check in DDP's buckets through a comm hook needs the raising process "
+        "to make the same bucket all-reduces (sizes, dtypes, order: the reducer's private "
+        "layout, rebuilt after the first step), and takes the one comm hook a DDP model "
+        "has from the user (bf16 compression, PowerSGD): rejected. So one collective of "
+        "ours precedes DDP's first bucket. (3) The economy's sums exist only after the "
+        "backward (the per-sample g_n) and the gradient tests' need the global mean "
+        "gradient g (sum_n (g_n . g)^2 is g^T (sum_n g_n g_n^T) g: no rewriting from "
+        "per-process quantities avoids g, which is whole only after DDP's last bucket), "
+        "so a second collective of ours follows DDP's last bucket, before the block's end: "
+        "deferring it into the next step's first agreement crosses the user's code between "
+        "the blocks (optimizer.step(), DDP's buffer broadcast at the next forward, an "
+        "untracked step's all-reduces), collectives a process that raised does not make. "
+        "Two is therefore the least, and equal shards make two (the first 4 float64 per "
+        "process, the second the flags and the sums). With unequal shards the global mean "
+        "gradient sum_r N_r g_r / N and DDP's average (1/W) sum_r g_r are independent "
+        "combinations of the g_r, and DDP's all-reduce gives the second only (rescaling "
+        "each process's loss gradient by W N_r / N before DDP's buckets would make p.grad "
+        "the global mean, not the average the user's optimizer expects), so one "
+        "parameter-sized sum more is needed after the backward and before the sums that "
+        "project on it: three, unless the cockpit's comm hook doubles DDP's buckets "
+        "(rejected in (2)).",
         "",
         "The per-rank view's way (median seconds per step's exchange on this gloo group): "
         "each process's numbers in its slots of the step's one all_reduce, or an all_gather "

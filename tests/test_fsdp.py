@@ -204,3 +204,54 @@ def test_curvature_second_moments_and_fsdp1_are_refused_by_name(spawned):
         assert "use_orig_params=True" in refused["fsdp1 orig"]
         assert "flattened shard cut across parameters" in refused["fsdp1 orig"]
         assert "flattened parameters have no names" in refused["fsdp1"]
+
+
+def gathers_per_step(rank, world, sizes):
+    """The parameter-sized all-gathers the cockpit makes in each step of an economy run
+    (its block and its optimizer.step()), with the run's values."""
+    import models
+
+    from avionics.step import sharded
+
+    original, per_step = sharded._all_gather, []
+
+    def counted(output, tensor):
+        per_step[-1].append(output.numel())
+        original(output, tensor)
+
+    sharded._all_gather = counted
+    try:
+        model, X, y, loss_fn = models.mlp(n=sum(sizes))
+        shard(model, nested=False)
+        start = sum(sizes[:rank])
+        X, y = X[start : start + sizes[rank]], y[start : start + sizes[rank]]
+        cockpit = Cockpit(model, configuration("economy"))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for step in range(4):
+            per_step.append([])
+            opt.zero_grad()
+            losses = loss_fn(model(X), y)
+            info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(X)}
+            info["optimizer"] = opt
+            with cockpit(step, info=info):
+                losses.mean().backward()
+            opt.step()
+        cockpit.close()
+        parameters = sum(p.numel() for p in model.parameters())
+        return per_step, parameters, cockpit.get_output()
+    finally:
+        sharded._all_gather = original
+
+
+@pytest.mark.parametrize("sizes", [(3, 3), (4, 2)])
+def test_economy_makes_one_all_gather_per_tracked_step_under_fsdp2(tmp_path, sizes):
+    """The mean gradient g_{t+1} and Alpha's update s_t travel in one all-gather (the
+    step's), of twice the parameters at an Alpha end step (were two all-gathers: s_t when
+    optimizer.step() returned); the values are one process's (the scenarios above)."""
+    results = on_ranks(gathers_per_step, 2, tmp_path, sizes)
+    for per_step, parameters, output in results:
+        assert [len(gathers) for gathers in per_step] == [1, 1, 1, 1]
+        assert all(n >= parameters for gathers in per_step for n in gathers)
+        assert max(n for gathers in per_step for n in gathers) >= 2 * parameters  # g and s
+        assert sorted(output) == [0, 1, 2, 3]
+        assert any("Alpha" in values for values in output.values())

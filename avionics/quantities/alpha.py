@@ -248,7 +248,9 @@ class _Start:
             start.params = data.params_copy()
             start.captured = data.captured
             register = getattr(optimizer, "register_step_post_hook", None)
-            if at_optimizer_step() and register is not None:
+            # sharded (FSDP): s is measured at the end step, where its gather carries the
+            # mean gradient too (:meth:`avionics.step.sharded.Sharded.whole`)
+            if at_optimizer_step() and register is not None and start.shards is None:
                 start._stepped = data.params
                 start._at_optimizer_step = at_optimizer_step
                 start._hook = register(start._after_step)

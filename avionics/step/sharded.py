@@ -20,8 +20,10 @@ sharded after the backward:
   whole, and process r has the shard of v and the g_n of its own samples only. The shards of
   every direction a statistics call names are all-gathered in one packed collective per call
   (:meth:`ShardLayout.gather`), but for those the call before gathered (:meth:`Sharded.whole`):
-  an economy step gathers the mean gradient, its ``optimizer.step()`` Alpha's update, each
-  the size of the parameters, as the all-gather FSDP makes of them at each forward.
+  the step's first call also carries the step's mean gradient, so that an economy step
+  makes one all-gather of its directions: the mean gradient g_{t+1} with Alpha's update s_t
+  (measured at its end step under sharding, not when ``optimizer.step()`` returns), twice
+  the parameters' size, beside the all-gathers FSDP makes of them at each forward.
 * the parameters themselves, for the few rules of the per-sample engine that read them
   (nn.MultiheadAttention's, the recurrent layers', the generic rule: :func:`reads_parameters`):
   FSDP's ``unshard()`` puts them whole on their modules while the engine runs, and theta_t,
@@ -146,6 +148,8 @@ class Sharded(DataParallel):
         self._fsdp = _fsdp_params(self._modules, params)
         # (shard, its version, whole) of the last gather (see whole)
         self._last: list[tuple[Tensor, int, Tensor]] = []
+        # the step's mean gradient (shards), until the step's first gather carries it
+        self._coming: list[Tensor] = []
 
     def leaves(self) -> list[Tensor]:
         """The tensors the backward's gradients of the tracked parameters arrive at: FSDP's
@@ -194,6 +198,12 @@ class Sharded(DataParallel):
         parameters at each backward) times N_r, whatever the sizes: ``p.grad``'s shard is
         not the global mean's where a micro-batch's backward ran with FSDP's gradient sync
         off or the processes' micro-batches differ in size."""
+        grads = self._global_gradients(combined, reduction, batch)
+        self._coming = grads if reduction == "mean" else []  # the mean gradient itself
+        return grads
+
+    def _global_gradients(self, combined: Combined, reduction: str, batch: Batch) -> list:
+        """:meth:`gradients`, before the mean gradient is kept for the step's gather."""
         if combined.single and len(set(batch.sizes)) == 1:
             return super().gradients(combined, reduction, batch)
         weight = batch.sizes[self.world.rank] if reduction == "mean" else 1
@@ -210,8 +220,17 @@ class Sharded(DataParallel):
 
     def whole(self, shards: list[Tensor], indices: list[int]) -> list[Tensor]:
         """:meth:`ShardLayout.gather` of ``shards``, but for those the last call gathered,
-        unchanged since (the same tensor at the same version): Alpha's update, gathered when
-        ``optimizer.step()`` returns, is projected on again at the next step."""
+        unchanged since (the same tensor at the same version). The step's mean gradient
+        (:meth:`gradients`) travels in the step's first gather, whatever it asks for: Alpha's
+        update s_t, gathered at its end step t+1 to project step t's g_n on it, shares that
+        all-gather with g_{t+1}, which the step's statistics then find gathered (one
+        parameter-sized all-gather per tracked step)."""
+        coming, self._coming = self._coming, []
+        asked = {id(shard) for shard in shards}
+        extra = [k for k, g in enumerate(coming) if id(g) not in asked]
+        count = len(shards)
+        shards = list(shards) + [coming[k] for k in extra]
+        indices = list(indices) + extra
         known = {id(shard): (shard, shard._version, whole) for shard, _, whole in self._last}
         new = [
             i
@@ -223,7 +242,7 @@ class Sharded(DataParallel):
         )
         wholes = [gathered[i] if i in gathered else known[id(s)][2] for i, s in enumerate(shards)]
         self._last = [(s, s._version, w) for s, w in zip(shards, wholes, strict=True)]
-        return wholes
+        return wholes[:count]
 
     def engine(self, engine) -> ShardedEngine:
         """``engine``, whose captured steps project onto directions given as shards."""
