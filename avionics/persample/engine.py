@@ -96,7 +96,7 @@ class PerSampleEngine(Routing):
         cast = at_least_float32(calls, self.module_name)
         if cast is not None and rtol is None:
             rtol = 4 * torch.finfo(cast).eps  # (the backward rounded each product to it)
-        _find_batch_axes(calls, n)
+        _find_batch_axes(calls, n, self.model)
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
             step = CapturedStep(self, calls, n, output_gradient_factor)  # rerouted
@@ -222,13 +222,24 @@ def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Ten
     return square.sqrt()
 
 
-def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int) -> None:
+def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.Module) -> None:
     """Correct the batch axis of each call whose first input does not have the ``n`` samples
     on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
-    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN)."""
+    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN).
+
+    Only where the model's own input shows that the batch is not on its inherited axis (the
+    root call does not carry the batch there): otherwise a size equal to N on another axis is
+    a coincidence (BERT's position ids [1, T] with T == N are shared by all samples, not a
+    batch on axis 1). A call whose output the captured backward found broadcast into the
+    batch by additions (``broadcast_grad_outputs``) is shared whatever its sizes."""
+    root_calls = calls.get(root, [])
+    if root_calls and all(call.carries_batch(n) for call in root_calls):
+        return
     for module_calls in calls.values():
         for call in module_calls:
             if call.carries_batch(n) or not call.inputs:
+                continue
+            if any(g is not None for g in call.broadcast_grad_outputs):
                 continue
             axes = [a for a, size in enumerate(call.inputs[0].shape) if size == n]
             if len(axes) == 1:
