@@ -109,23 +109,27 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
             for t, n in zip(ts, sizes)
         )
 
-    def merged(values):
+    def merged(values, path):
         if isinstance(values[0], Tensor) and all(isinstance(v, Tensor) for v in values):
-            if batched(values):
+            if batched(values) and not _shared_mask(first.module, path, values[0]):
                 return torch.cat(values, axis)
         return values[0]
 
-    flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
+    flat = [pytree.tree_flatten_with_path((c.args, c.kwargs)) for c in calls]
     spec = flat[0][1]
+    leaves = [[leaf for _, leaf in pairs] for pairs, _ in flat]
+    paths = [path for path, _ in flat[0][0]]
     args, kwargs = pytree.tree_unflatten(
-        [merged(values) for values in zip(*(leaves for leaves, _ in flat))], spec
+        [merged(values, path) for values, path in zip(zip(*leaves), paths)], spec
     )
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     outputs, grad_outputs = [], []
     for j, out in enumerate(first.outputs):
         shapes = [c.outputs[j].shape for c in calls]
         shape = list(out.shape)
-        along = not shared and len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes))
+        along = (
+            not shared and len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes))
+        )
         if along:
             shape[axis] = sum(sizes)
         outputs.append(copy.copy(out))
@@ -162,6 +166,14 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
     call.broadcast_grad_outputs = merged_broadcast(calls, factors, axis)
     call.summaries = added_summaries([c.summaries for c in calls])
     return call
+
+
+def _shared_mask(module, path, t: Tensor) -> bool:
+    """Whether ``t`` (at ``path`` in a call's (args, kwargs)) is the 2-D ``attn_mask`` [L, S]
+    of an ``nn.MultiheadAttention``, which every sample shares (a batched mask is 3-D), also
+    where a micro-batch's size equals L."""
+    named = any(getattr(key, "key", None) == "attn_mask" for key in path)
+    return isinstance(module, torch.nn.MultiheadAttention) and named and t.dim() == 2
 
 
 def merged_broadcast(calls: list[ModuleCall], factors: list[float], axis: int) -> list:
