@@ -225,22 +225,26 @@ def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Ten
 def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.Module) -> None:
     """Correct the batch axis of each call whose first input does not have the ``n`` samples
     on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
-    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN).
+    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN; a
+    head's [N, D] input below a root with ``batch_first=False``).
 
-    Only where the model's own input shows that the batch is not on its inherited axis (the
-    root call does not carry the batch there): otherwise a size equal to N on another axis is
-    a coincidence (BERT's position ids [1, T] with T == N are shared by all samples, not a
-    batch on axis 1). A call whose output the captured backward found broadcast into the
-    batch by additions (``broadcast_grad_outputs``) is shared whatever its sizes."""
+    Never for a call the captured backward found shared by all samples (its output broadcast
+    into the batch: ``broadcast_grad_outputs``, :attr:`ModuleCall.shared`), nor for a first
+    input of size 1 on the inherited axis where the model's input has the batch there: that
+    axis is broadcast, and a size equal to N on another axis is a coincidence (BERT's position
+    ids [1, T] with T == N are shared, not a batch on axis 1)."""
     root_calls = calls.get(root, [])
-    if root_calls and all(call.carries_batch(n) for call in root_calls):
-        return
+    batch_where_inherited = bool(root_calls) and all(c.carries_batch(n) for c in root_calls)
     for module_calls in calls.values():
         for call in module_calls:
-            if call.carries_batch(n) or not call.inputs:
+            if call.carries_batch(n) or not call.inputs or call.shared:
                 continue
             if any(g is not None for g in call.broadcast_grad_outputs):
                 continue
-            axes = [a for a, size in enumerate(call.inputs[0].shape) if size == n]
+            shape = call.inputs[0].shape
+            broadcast = len(shape) > call.batch_axis and shape[call.batch_axis] == 1
+            if broadcast and batch_where_inherited:
+                continue
+            axes = [a for a, size in enumerate(shape) if size == n]
             if len(axes) == 1:
                 call.batch_axis = axes[0]
