@@ -164,6 +164,13 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
     call.grad_outputs = grad_outputs
     call.shared = shared
     call.broadcast_grad_outputs = merged_broadcast(calls, factors, axis)
+    keys = set(first.shared_parameter_gradients)
+    if all(set(c.shared_parameter_gradients) == keys for c in calls):
+        # (parameters used directly in the forward: their g_n, samples on axis 0)
+        call.shared_parameter_gradients = {
+            k: torch.cat([c.shared_parameter_gradients[k] * f for c, f in zip(calls, factors)])
+            for k in keys
+        }
     call.summaries = added_summaries([c.summaries for c in calls])
     return call
 
