@@ -62,8 +62,9 @@ MODELS = {
     "tiny_gpt": tiny_gpt,
     "bert": bert,
 }
-# (N, T): N == T, N == 1, N == the width 8 of tiny_gpt and bert, and N unlike any size
-SIZES = [(8, 8), (6, 6), (1, 6), (8, 5), (7, 6)]
+# (N, T): N == T, N == 1, N == the width 8 of tiny_gpt and bert, N == the width 5 of the
+# position tables, and N unlike any size
+SIZES = [(8, 8), (6, 6), (1, 6), (8, 5), (5, 6), (7, 6)]
 
 
 @pytest.mark.parametrize("n, t", SIZES)
