@@ -228,18 +228,15 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
     (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN; a
     head's [N, D] input below a root with ``batch_first=False``).
 
-    Never for a call the captured backward found shared by all samples (its output broadcast
-    into the batch: ``broadcast_grad_outputs``, :attr:`ModuleCall.shared`), nor for a first
-    input of size 1 on the inherited axis where the model's input has the batch there: that
-    axis is broadcast, and a size equal to N on another axis is a coincidence (BERT's position
-    ids [1, T] with T == N are shared, not a batch on axis 1)."""
+    Never for a call found shared by all samples (:attr:`ModuleCall.shared`), nor for a
+    first input of size 1 on the inherited axis where the model's input has the batch there:
+    that axis is broadcast, and a size equal to N on another axis is a coincidence (BERT's
+    position ids [1, T] with T == N are shared, not a batch on axis 1)."""
     root_calls = calls.get(root, [])
     batch_where_inherited = bool(root_calls) and all(c.carries_batch(n) for c in root_calls)
     for module_calls in calls.values():
         for call in module_calls:
             if call.carries_batch(n) or not call.inputs or call.shared:
-                continue
-            if any(g is not None for g in call.broadcast_grad_outputs):
                 continue
             shape = call.inputs[0].shape
             broadcast = len(shape) > call.batch_axis and shape[call.batch_axis] == 1
