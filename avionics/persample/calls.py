@@ -54,13 +54,20 @@ class ModuleCall:
     # what a rule found inside the call's graph at forward time and has the backward fill in
     # (an attention call's projections: avionics.persample.rules.attention.Inside), or None
     inside: object | None = None
+    # whether the capture's graph walk found the call's output shared by all samples although
+    # its first input has N entries on the batch axis (a position table looked up by
+    # arange(T) with T == N, broadcast into the batch with axes put in front of it: see
+    # avionics.persample.rules.broadcast.hook_shared_outputs)
+    shared: bool = False
 
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)
 
     def carries_batch(self, n: int) -> bool:
         """Whether the first input tensor has the ``n`` samples on the batch axis (a
-        PackedSequence: as many sequences as ``n``)."""
+        PackedSequence: as many sequences as ``n``), and the call is not :attr:`shared`."""
+        if self.shared:
+            return False
         if self.args and isinstance(self.args[0], PackedSequence):
             return int(self.args[0].batch_sizes[0]) == n
         if not self.inputs:

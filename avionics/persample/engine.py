@@ -96,7 +96,7 @@ class PerSampleEngine(Routing):
         cast = at_least_float32(calls, self.module_name)
         if cast is not None and rtol is None:
             rtol = 4 * torch.finfo(cast).eps  # (the backward rounded each product to it)
-        _find_batch_axes(calls, n)
+        _find_batch_axes(calls, n, self.model)
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
             step = CapturedStep(self, calls, n, output_gradient_factor)  # rerouted
@@ -222,14 +222,26 @@ def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Ten
     return square.sqrt()
 
 
-def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int) -> None:
+def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.Module) -> None:
     """Correct the batch axis of each call whose first input does not have the ``n`` samples
     on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
-    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN)."""
+    (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN; a
+    head's [N, D] input below a root with ``batch_first=False``).
+
+    Never for a call found shared by all samples (:attr:`ModuleCall.shared`), nor for a
+    first input of size 1 on the inherited axis where the model's input has the batch there:
+    that axis is broadcast, and a size equal to N on another axis is a coincidence (BERT's
+    position ids [1, T] with T == N are shared, not a batch on axis 1)."""
+    root_calls = calls.get(root, [])
+    batch_where_inherited = bool(root_calls) and all(c.carries_batch(n) for c in root_calls)
     for module_calls in calls.values():
         for call in module_calls:
-            if call.carries_batch(n) or not call.inputs:
+            if call.carries_batch(n) or not call.inputs or call.shared:
                 continue
-            axes = [a for a, size in enumerate(call.inputs[0].shape) if size == n]
+            shape = call.inputs[0].shape
+            broadcast = len(shape) > call.batch_axis and shape[call.batch_axis] == 1
+            if broadcast and batch_where_inherited:
+                continue
+            axes = [a for a, size in enumerate(shape) if size == n]
             if len(axes) == 1:
                 call.batch_axis = axes[0]

@@ -96,9 +96,12 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
     (see :func:`merged_calls`)."""
     first = calls[0]
     axis = first.batch_axis
+    # a call shared by all samples (its output broadcast into the batch: a position table)
+    # has no tensor of the batch, whatever their sizes (the micro-batches' sizes may equal T)
+    shared = any(c.shared or not c.carries_batch(n) for c, n in zip(calls, sizes))
 
     def batched(ts) -> bool:
-        return all(
+        return not shared and all(
             t.dim() > axis
             and t.shape[axis] == n
             and t.shape[:axis] + t.shape[axis + 1 :]
@@ -106,29 +109,37 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
             for t, n in zip(ts, sizes)
         )
 
-    def merged(values):
+    def merged(values, path):
         if isinstance(values[0], Tensor) and all(isinstance(v, Tensor) for v in values):
-            if batched(values):
+            if batched(values) and not _shared_mask(first.module, path, values[0]):
                 return torch.cat(values, axis)
         return values[0]
 
-    flat = [pytree.tree_flatten((c.args, c.kwargs)) for c in calls]
+    flat = [pytree.tree_flatten_with_path((c.args, c.kwargs)) for c in calls]
     spec = flat[0][1]
+    leaves = [[leaf for _, leaf in pairs] for pairs, _ in flat]
+    paths = [path for path, _ in flat[0][0]]
     args, kwargs = pytree.tree_unflatten(
-        [merged(values) for values in zip(*(leaves for leaves, _ in flat))], spec
+        [merged(values, path) for values, path in zip(zip(*leaves), paths)], spec
     )
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     outputs, grad_outputs = [], []
     for j, out in enumerate(first.outputs):
         shapes = [c.outputs[j].shape for c in calls]
         shape = list(out.shape)
-        if len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes)):
+        along = (
+            not shared and len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes))
+        )
+        if along:
             shape[axis] = sum(sizes)
         outputs.append(copy.copy(out))
         outputs[-1].shape = torch.Size(shape)
         grads = [c.grad_outputs[j] for c in calls]
         if all(g is None for g in grads):
             grad_outputs.append(None)
+            continue
+        if not along:  # (an output every sample shares: its gradient is the sum)
+            grad_outputs.append(sum(g * f for g, f in zip(grads, factors) if g is not None))
             continue
         grad_outputs.append(
             torch.cat(
@@ -151,8 +162,41 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
         input_versions=[t._version for t in inputs],
     )
     call.grad_outputs = grad_outputs
+    call.shared = shared
+    call.broadcast_grad_outputs = merged_broadcast(calls, factors, axis)
+    keys = set(first.shared_parameter_gradients)
+    if all(set(c.shared_parameter_gradients) == keys for c in calls):
+        # (parameters used directly in the forward: their g_n, samples on axis 0)
+        call.shared_parameter_gradients = {
+            k: torch.cat([c.shared_parameter_gradients[k] * f for c, f in zip(calls, factors)])
+            for k in keys
+        }
     call.summaries = added_summaries([c.summaries for c in calls])
     return call
+
+
+def _shared_mask(module, path, t: Tensor) -> bool:
+    """Whether ``t`` (at ``path`` in a call's (args, kwargs)) is the 2-D ``attn_mask`` [L, S]
+    of an ``nn.MultiheadAttention``, which every sample shares (a batched mask is 3-D), also
+    where a micro-batch's size equals L."""
+    named = any(getattr(key, "key", None) == "attn_mask" for key in path)
+    return isinstance(module, torch.nn.MultiheadAttention) and named and t.dim() == 2
+
+
+def merged_broadcast(calls: list[ModuleCall], factors: list[float], axis: int) -> list:
+    """The per-sample output gradients of a shared call's outputs broadcast into the batch
+    (``broadcast_grad_outputs``, batch on ``axis``): micro-batch i's times f_i, concatenated
+    (empty where a micro-batch has none)."""
+    per_call = [c.broadcast_grad_outputs for c in calls]
+    if not per_call[0] or any(len(b) != len(per_call[0]) for b in per_call):
+        return []
+    merged = []
+    for grads in zip(*per_call):
+        if any(g is None for g in grads):
+            merged.append(None)
+        else:
+            merged.append(torch.cat([g * f for g, f in zip(grads, factors)], axis))
+    return merged
 
 
 def added_summaries(per_call: list[list[tuple]]) -> list[tuple]:

@@ -71,11 +71,21 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
         for i, node in zip(call.node_outputs, call.nodes, strict=True)
         if not isinstance(node, Tensor)
     }
+    # lookups by indices of fewer axes than the model's input, with N entries on the batch
+    # axis: shared by all samples where the walk finds them broadcast with axes put in front
+    # (positions arange(T) with T == N)
+    suspects = [c for c in forward if c.carries_batch(n) and _fewer_index_axes(c, x)]
     owners = parameter_owners(root) if owners is None else owners
     direct = {id(p): p for m in _direct_users(root, forward, owners) for p in m.parameters(False)}
-    if not shared and not direct:
+    if not shared and not direct and not suspects:
         return []
     consumers, leaves = _consumers(last.nodes, direct)
+    for call in suspects:
+        edges = {node: (call, i) for i, node in zip(call.node_outputs, call.nodes, strict=True)}
+        edges = {node: used for node, used in edges.items() if not isinstance(node, Tensor)}
+        if any(_prepends_axes(consumers.get(e, ()), call, i, axis) for e, (_, i) in edges.items()):
+            call.shared = True
+            shared.update(edges)
     handles = []
     for edge, (call, i) in shared.items():
         uses = [
@@ -95,6 +105,29 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
         if key not in reached and p.requires_grad:
             last.shared_parameter_gradients[key] = p.detach().new_zeros(()).expand(n, *p.shape)
     return handles
+
+
+def _prepends_axes(uses, call, output: int, axis: int) -> bool:
+    """Whether one of ``uses`` (consumers of output ``output`` of ``call``) is an elementwise
+    operation that broadcasts it with axes put in front, so that its batch axis lands on
+    another axis than ``axis``, the batch's (h = e + y, e [N, T, D], y [T, D] with T == N):
+    then y is not batched but shared by the samples."""
+    rank = len(call.outputs[output].shape)
+    for node, _ in uses:
+        if node.name() in _ELEMENTWISE:
+            result = len(node._input_metadata[0].shape)
+            if result > rank and call.batch_axis + result - rank != axis:
+                return True
+    return False
+
+
+_ELEMENTWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0"}
+
+
+def _fewer_index_axes(call, x: Tensor) -> bool:
+    """Whether the first input of ``call`` holds indices and has fewer axes than ``x``."""
+    first = call.inputs[0]
+    return not first.is_floating_point() and not first.is_complex() and first.dim() < x.dim()
 
 
 def shared_parameter_uses(root_call, params: list[Tensor]) -> dict[int, list[tuple]] | None:
