@@ -141,7 +141,12 @@ def exactness(build) -> float:
             ours.step(k, X, y)
         output = ours.cockpit.get_output()
         for k in range(2):
-            shared = [q for q in floor.values[k] if q in output[k]]
+            # (the histograms' counts are checked by tests/test_floors_layers.py)
+            shared = [
+                q
+                for q in floor.values[k]
+                if q in output[k] and not isinstance(floor.values[k][q], dict)
+            ]
             if not set(TESTS) & set(shared):
                 raise AssertionError(f"floor {row} and avionics share no test at step {k}")
             for q in shared:

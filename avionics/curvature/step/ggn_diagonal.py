@@ -43,7 +43,12 @@ from avionics.curvature.step.loss_root import (
 )
 from avionics.persample.capture import output_edge, output_key
 from avionics.persample.request import Request
-from avionics.persample.rules import rule_for
+
+# sets AttentionRule.column_sums_class: all of a group's columns through one re-run
+from avionics.persample.rules import (
+    attention_columns,  # noqa: F401
+    rule_for,
+)
 from avionics.persample.rules.base import ColumnSums
 from avionics.persample.rules.broadcast import SharedParameterColumnSums, shared_parameter_uses
 from avionics.persample.rules.generic import GenericRule

@@ -100,6 +100,9 @@ class AttentionRule(FactoredWeights, GenericRule):
     def is_weight(name: str) -> bool:
         return name.endswith("weight")
 
+    # AttentionColumnSums, set in attention_columns.py (it builds on this module's re-run)
+    column_sums_class: type
+
     @classmethod
     def column_sums(cls, module, calls, names, n, traces):
         """Where every call can be re-run (:func:`_reproducible`), all columns of a group
@@ -110,10 +113,7 @@ class AttentionRule(FactoredWeights, GenericRule):
             covers_attention(module, names) and all(_reproducible(module, c, n) for c in calls)
         ):
             return super().column_sums(module, calls, names, n, traces)
-        # (imported here: it builds on this module's re-run)
-        from avionics.persample.rules.attention_columns import AttentionColumnSums
-
-        return AttentionColumnSums(module, calls, names, n, traces)
+        return cls.column_sums_class(module, calls, names, n, traces)
 
 
 def _covered(module: nn.Module) -> bool:

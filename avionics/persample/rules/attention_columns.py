@@ -30,6 +30,7 @@ from avionics.curvature.step._autograd import batched_grad
 from avionics.persample.precision import computing
 from avionics.persample.rules.attention import (
     _WIDTHS,
+    AttentionRule,
     _rerun,
     _taken_inside,
     _time_major,
@@ -183,3 +184,6 @@ def _outer(x: Tensor, delta: Tensor) -> Tensor:
     k, t, c, f = delta.shape
     d = delta.permute(2, 0, 3, 1).reshape(c, k * f, t)
     return torch.bmm(d, x.movedim(1, 0)).reshape(c, k, f, x.shape[-1])
+
+
+AttentionRule.column_sums_class = AttentionColumnSums
