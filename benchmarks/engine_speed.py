@@ -145,7 +145,7 @@ def exactness(build) -> float:
             shared = [
                 q
                 for q in floor.values[k]
-                if q in output[k] and not isinstance(floor.values[k][q], dict)
+                if q in output[k] and not isinstance(output[k][q], dict)
             ]
             if not set(TESTS) & set(shared):
                 raise AssertionError(f"floor {row} and avionics share no test at step {k}")
