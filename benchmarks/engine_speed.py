@@ -143,9 +143,7 @@ def exactness(build) -> float:
         for k in range(2):
             # (the histograms' counts are checked by tests/test_floors_layers.py)
             shared = [
-                q
-                for q in floor.values[k]
-                if q in output[k] and not isinstance(output[k][q], dict)
+                q for q in floor.values[k] if q in output[k] and not isinstance(output[k][q], dict)
             ]
             if not set(TESTS) & set(shared):
                 raise AssertionError(f"floor {row} and avionics share no test at step {k}")
