@@ -24,14 +24,14 @@ stage's work is in :mod:`avionics.step`, one concern per module.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
-from contextlib import contextmanager, suppress
-from functools import partial
+from contextlib import contextmanager
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from avionics.configurations import configuration
@@ -59,7 +59,7 @@ from avionics.step.output import (
     add_learning_rates,
     opened_sinks,
 )
-from avionics.step.parallel import Agreement, DataParallel, check_ddp_options
+from avionics.step.parallel import Agreement, DataParallel, Skipped, check_ddp_options
 from avionics.step.precision import at_least_float32, scale_recorder, without_autocast
 from avionics.step.sharded import SHARDED_QUANTITIES, Sharded, sharded
 from avionics.step.state import check_state, state_of
@@ -253,11 +253,11 @@ class Cockpit:
         capture, part, handles = self._record(entry)
         agreement = None
         if entry.active and self._world.size > 1:  # the processes learn of one that raises
-            agreement = Agreement(
-                step, micro_batch, self.params, self._world, entry.loss, entry.n, self._since
-            )
-            agreement.closing = partial(self._processes.closing, entry)
-            handles += agreement.hooks(entry.info["loss"], self._processes.leaves())
+            ddp = self._ddp
+            syncing = ddp is None or getattr(ddp, "require_backward_grad_sync", True)
+            agreement = self._processes.agreement(entry, self._since, syncing)
+            loss = entry.info.get("loss") if isinstance(entry.info, dict) else None
+            handles += agreement.hooks(loss, self._processes.leaves())
         with self._interruptible(step, capture, agreement):
             try:
                 yield self
@@ -268,11 +268,13 @@ class Cockpit:
                 if capture is not None:
                     capture.stop_recording()
             if agreement is not None:
+                if entry.failure is not None:  # every process raises, with its message
+                    agreement.raise_if_failed(agreement.agree(True))
                 # (held for the quantities' sums where they can travel in it: DataParallel.defer)
                 if not self._processes.defer(agreement, entry, part):
                     agreement.raise_if_failed(agreement.agree(False, part))
                     self._processes.carried(agreement.carried)
-                part.ranks = agreement.ranks
+                    part.ranks = agreement.ranks
         self._leave(entry, part)
 
     # ------------------------------------------------------------------ the stages
@@ -289,7 +291,14 @@ class Cockpit:
             entry = Entry(step, info, i, k, [q for q in self.quantities if q.is_active(step)])
         else:
             entry = Entry(step, info, i, k, accumulation.active, accumulation.parts)
-        if entry.active:
+        if entry.active and self._world.size > 1:
+            # raised when the block ends, with every process (before the backward the others
+            # may wait in DDP's all-reduces, which this process then makes as usual)
+            try:
+                self._check_batch(entry)
+            except Exception as error:
+                entry.failure = error
+        elif entry.active:
             self._check_batch(entry)
         return entry
 
@@ -337,6 +346,10 @@ class Cockpit:
         capture, self._held.capture = self._held.capture, None
         if capture is not None:
             capture.disarm()
+        if entry.failure is not None:  # the block runs with the cockpit's hooks quiet
+            if capture is not None:
+                capture.release()
+            return None, None, []
         single, several = entry.single, self._world.size > 1
         record = bool(entry.request) and capture is not None
         record = record and (entry.finite is not False or not single)
@@ -423,32 +436,43 @@ class Cockpit:
         if skipped is None and combined.scaled and not finite:
             skipped = "its gradients are not finite after a scaled backward (a step "
             skipped += "torch.amp.GradScaler skips)"
+        if skipped is not None and self._world.size > 1:  # (the others learn of it)
+            skip = self._processes.settle(False, skipped=True)
+            if skip is not None:
+                batch, skipped = dataclasses.replace(batch, loss=skip.loss), skip.reason
         if skipped is not None:
-            self._drop_pending()  # their ends would come two updates later
-            warnings.warn(
-                f"Step {step}: {skipped}; recorded the loss and skipped the other "
-                "quantities at this step.",
-                stacklevel=6,
-            )
-            return {step: {Loss.__name__: batch.loss}}
+            return self._loss_only(step, batch.loss, skipped)
         checks.check_backward(step, active, self.params)
         if request and any(p.capture is None or not p.capture.calls_by_module() for p in parts):
             active, request = self._without_per_sample(step, active, 7)
         self._storage.describe_training(entry.info, batch, self._world.size)
         # computed in float32 or better, outside any autocast region
-        with without_autocast(self.params[0].device.type):
-            return compute(
-                entry,
-                active,
-                request,
-                combined,
-                batch,
-                model=self.model,
-                params=self.params,
-                names=self.param_names,
-                engine=self._engine,
-                processes=self._processes,
-            )
+        try:
+            with without_autocast(self.params[0].device.type):
+                return compute(
+                    entry,
+                    active,
+                    request,
+                    combined,
+                    batch,
+                    model=self.model,
+                    params=self.params,
+                    names=self.param_names,
+                    engine=self._engine,
+                    processes=self._processes,
+                )
+        except Skipped as skip:  # learnt from the agreement that carried the sums
+            return self._loss_only(step, skip.loss, skip.reason)
+
+    def _loss_only(self, step: int, loss: Tensor, skipped: str) -> dict:
+        """The loss alone, at a step whose values are skipped for the reason ``skipped``."""
+        self._drop_pending()  # their ends would come two updates later
+        warnings.warn(
+            f"Step {step}: {skipped}; recorded the loss and skipped the other "
+            "quantities at this step.",
+            stacklevel=7,
+        )
+        return {step: {Loss.__name__: loss}}
 
     # ------------------------------------------------------------------ the rest of the protocol
     def log(self, step: int, **metrics) -> None:
@@ -527,10 +551,9 @@ class Cockpit:
         several processes, the others learn of it (``agreement``)."""
         try:
             yield
-        except BaseException:
+        except BaseException as error:
             if agreement is not None:
-                with suppress(Exception):  # (the process group may be broken already)
-                    agreement.agree(True)
+                agreement.on_error(error)
             if capture is not None:
                 capture.release()
             if self._accumulation is not None:  # the step's earlier micro-batches

@@ -92,3 +92,19 @@ def all_processes(value: Tensor, world: World) -> Tensor:
         return value[None]
     (gathered,) = sum_over_processes([world.slots(value)], world)
     return gathered
+
+
+# The bytes of each process's message that travel when a process failed (UTF-8, cut there).
+MESSAGE_BYTES = 512
+
+
+def messages_of_processes(message: str, world: World, device: torch.device) -> list[str]:
+    """Every process's ``message`` (its first :data:`MESSAGE_BYTES` bytes of UTF-8), by one
+    ``all_reduce`` of a [size, MESSAGE_BYTES] uint8 tensor of slots (a tensor collective, valid
+    under NCCL; made only where a process failed, off the tracked steps' path)."""
+    encoded = message.encode()[:MESSAGE_BYTES]
+    row = torch.zeros(MESSAGE_BYTES, dtype=torch.uint8)
+    row[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+    slots = world.slots(row.to(collective_device(dist.get_backend(), device)))
+    dist.all_reduce(slots)
+    return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in slots.cpu().tolist()]

@@ -1,9 +1,16 @@
-"""A rank that raises inside its block before its backward, under DDP and FSDP2 (issue 29,
-item 1): the step's first agreement is made when the backward's gradient arrives at the loss,
-before any collective of that backward (DDP's all-reduces, FSDP's pre-backward all-gathers,
-whose hook sits on the loss itself where the loss is the sharded root's output), so every other
-process raises a RuntimeError naming the rank and the step instead of waiting in a collective
-the raising rank never makes; and every process goes on to the next steps in step."""
+"""A rank that fails inside its block (issue 29, item 1; issue 26, one collective).
+
+* The cockpit's own error on one rank before its backward (a bad ``info`` there): under DDP it
+  is not raised on entering: that rank's block runs with the cockpit's hooks quiet, its
+  backward makes DDP's all-reduces as usual, and the step's one agreement (when the blocks
+  end) tells every rank, which raises a RuntimeError naming the rank, the step and the error;
+  every process goes on to the next steps in step.
+* The user's own error before the backward: under FSDP2 the step's first agreement is made when
+  the backward's gradient arrives at the loss, before any collective of that backward (FSDP's
+  pre-backward all-gathers, whose hook sits on the loss itself where the loss is the sharded
+  root's output), so every other process raises naming the rank. Under DDP the others wait in
+  DDP's all-reduces as they would without the cockpit (docs/cockpit.md).
+"""
 
 from __future__ import annotations
 
@@ -65,10 +72,9 @@ def raising_before_backward(rank, world, wrap):
     return outcomes, cockpit.get_output()
 
 
-@pytest.mark.parametrize("wrap", ["ddp", "fsdp2"])
-def test_a_rank_raising_before_its_backward_is_named_on_every_rank(tmp_path, wrap):
+def test_a_rank_raising_before_its_backward_is_named_on_every_rank_under_fsdp2(tmp_path):
     (outcomes0, values0), (outcomes1, values1) = on_ranks(
-        raising_before_backward, 2, tmp_path, wrap
+        raising_before_backward, 2, tmp_path, "fsdp2"
     )
     assert outcomes1[FAILING] == "ValueError: the user's own error"
     assert outcomes0[FAILING].startswith(
@@ -125,3 +131,70 @@ def test_a_rank_raising_while_computing_its_values_is_named_on_every_rank(tmp_pa
     )
     assert [o for s, o in enumerate(outcomes0) if s != failing] == ["tracked"] * (STEPS - 1)
     assert steps0 == steps1 == sorted(set(range(STEPS)) - {failing})
+
+
+def failing_check_on_rank_1(rank, world, sizes, failing):
+    """Under DDP, rank 1 gives the cockpit per-sample losses of the wrong size at step
+    ``failing`` (the cockpit's own check fails there only); every process catches what it
+    gets and goes on. Returns (each step's outcome, the values stored, the collectives of the
+    failing step)."""
+    from test_traffic import Counted
+
+    network, X, y, loss_fn = models.mlp(n=sum(sizes))
+    model = nn.parallel.DistributedDataParallel(WithLoss(network, loss_fn))
+    cockpit = Cockpit(model, [quantities.Loss(), quantities.GradNorm(), quantities.NormTest()])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = sum(sizes[:rank])
+    X, y = X[start : start + sizes[rank]], y[start : start + sizes[rank]]
+    outcomes, counted, calls = [], Counted(), []
+    for step in range(STEPS):
+        counted.on, counted.calls = step == failing, []
+        opt.zero_grad()
+        losses = model(X, y)
+        given = losses[:-1] if rank == 1 and step == failing else losses
+        info = {"loss": losses.mean(), "individual_losses": given, "batch_size": len(X)}
+        try:
+            with cockpit(step, info=info):
+                info["loss"].backward()
+        except (ValueError, RuntimeError) as error:
+            outcomes.append(f"{type(error).__name__}: {error}")
+            calls = [size for _, size in counted.calls]
+            continue
+        finally:
+            counted.on = False
+        outcomes.append("tracked")
+        opt.step()
+    counted.close()
+    cockpit.close()
+    return outcomes, cockpit.get_output(), calls, [p.detach() for p in model.parameters()]
+
+
+@pytest.mark.parametrize(("sizes", "failing"), [((3, 3), 2), ((3, 4), 1)])
+def test_the_cockpit_failing_on_one_rank_before_the_backward_raises_on_every_rank(
+    tmp_path, sizes, failing
+):
+    """Equal shards at a step whose sums ride in the agreement, unequal ones at a step whose
+    agreement carries the gradient sums: both ranks raise the same RuntimeError, naming rank 1
+    and its error, after one collective of the agreement (and one of the messages); DDP's
+    all-reduces ran on both (the parameters stay equal), and the other steps are tracked."""
+    results = on_ranks(failing_check_on_rank_1, 2, tmp_path, sizes, failing)
+    (outcomes0, values0, calls0, params0), (outcomes1, values1, calls1, params1) = results
+    for outcomes in (outcomes0, outcomes1):
+        error = outcomes[failing]
+        assert error.startswith(
+            f"RuntimeError: Step {failing}, micro-batch 0: the process(es) of rank 1 raised"
+        )
+        told = f"rank 1: ValueError: info['batch_size'] is {sizes[1]} but info['individual_losses']"
+        assert told in error
+        others = [o for step, o in enumerate(outcomes) if step != failing]
+        assert others == ["tracked"] * (STEPS - 1)
+    assert "(rank 0 here;" in outcomes0[failing] and "(rank 1 here;" in outcomes1[failing]
+    assert calls0 == calls1 and len(calls0) == 2  # the agreement, then the messages
+    assert calls0[1] == 2 * 512  # every rank's message, uint8
+    stored = sorted(set(range(STEPS)) - {failing})
+    assert sorted(values0) == sorted(values1) == stored
+    for step in stored:
+        for name in ("Loss", "GradNorm", "NormTest"):
+            torch.testing.assert_close(values0[step][name], values1[step][name], rtol=0, atol=0)
+    for p, q in zip(params0, params1):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -2,14 +2,14 @@
 collective): every torch.distributed collective is counted in real spawned gloo processes (DDP's
 own gradient all-reduce runs in its C++ reducer and is not among them), by calls and bytes.
 
-Per tracked single-batch step of the economy preset on 2 processes: the two collectives of the
-step's agreement (issue 28: each process learns of one that raised in its block), which carry
-the batch sizes and losses (W x 4 float64 when the backward starts) and, at the block's end,
-W flags and the quantities' sums (the closing agreement held until they are made; a process
-that raised sends zeros of their size, known from the last step with the same active
-quantities): 2 collectives (were 3: the sums in an all-reduce of their own). With unequal
-shards the global mean gradient, sum_r N_r g_r / N, is not DDP's average: the closing
-agreement carries the gradient sums, and the sums travel apart (3).
+Per tracked single-batch step of the economy preset on 2 processes, with equal shards: ONE
+collective, the step's agreement made when the block ends (each process learns of one that
+failed), held until the quantities' sums are made: W rows of (raised, N_r, L_r, seconds,
+skipped) float64 and the sums (a process that raised sends zeros of their size, known from the
+last step with the same active quantities). The step before must have had equal shards (the
+first tracked step, not knowing, carries the gradient sums). With unequal shards the global
+mean gradient, sum_r N_r g_r / N, is not DDP's average: the agreement carries the gradient
+sums, and the sums, which project on that mean, travel after it (2).
 """
 
 from __future__ import annotations
@@ -122,17 +122,19 @@ def two_processes(tmp_path_factory):
     return [list(case) for case in zip(*results)]
 
 
+ROW_BYTES = 5 * 8  # (raised, N_r, L_r, seconds, skipped) per process, float64
+
+
 def check_equal_shards(results, world):
     for calls, _, devices, _ in results:
-        assert [name for name, _ in calls] == ["all_reduce"] * 2
-        first, closing = (size for _, size in calls)
-        assert first == world * 4 * 8  # (raised, N_r, L_r, seconds) per process, float64
-        assert closing > world * 8  # the block's end: raised per process, and the sums
-        assert sum(size for _, size in calls) <= BYTES_BEYOND_GRADIENTS
+        assert [name for name, _ in calls] == ["all_reduce"]
+        ((_, size),) = calls
+        assert size > world * ROW_BYTES  # the rows, and the sums
+        assert size <= BYTES_BEYOND_GRADIENTS
         assert devices == {"cpu"}  # the parameters' device (NCCL: the CUDA tensors)
 
 
-def test_economy_sends_two_small_all_reduces_with_equal_shards(two_processes):
+def test_economy_sends_one_small_all_reduce_with_equal_shards(two_processes):
     check_equal_shards(two_processes[0], 2)
 
 
@@ -168,12 +170,17 @@ def test_the_sums_ride_in_the_closing_agreement_from_the_second_step_on(tmp_path
     (steps0, values0), (steps1, values1) = on_ranks(first_step_s_collectives, 2, tmp_path, 4)
     assert steps0 == steps1
     first, second, *later = steps0
-    assert len(first) == 3 and first[:2] == [2 * 4 * 8, 2 * 8]  # the room learnt here
-    # step 1 ends Alpha's first start (its projections onto the update at both ends): more
-    # sums than at step 0, which travel apart once more; from then on, in the closing
-    assert second[:2] == [2 * 4 * 8, 2 * 8 + first[2]] and second[2] > first[2]
+    model = models.mlp(n=6)[0]
+    parameters = sum(p.numel() for p in model.parameters())
+    # step 0 knows nothing of the others' N_r: its agreement carries the gradient sums, and
+    # the sums follow
+    assert len(first) == 2 and first[0] == 2 * ROW_BYTES + parameters * 8
+    # step 1, laid out for the equal shards step 0 had, holds its agreement for the sums, with
+    # no room for them yet: they travel apart once more (the room learnt here; they are more
+    # than at step 0: step 1 ends Alpha's first start); from then on, in the agreement
+    assert second == [2 * ROW_BYTES, second[1]] and second[1] > first[1]
     for sizes in later:
-        assert sizes == [2 * 4 * 8, 2 * 8 + second[2]]  # the flags and the sums
+        assert sizes == [2 * ROW_BYTES + second[1]]  # the rows and the sums: one collective
     assert sorted(values0) == sorted(values1) == [0, 1, 2, 3]
     for step, values in values0.items():
         assert values["Loss"] == values1[step]["Loss"]
@@ -187,22 +194,22 @@ def test_with_three_processes_too(tmp_path):
 
 def test_unequal_shards_carry_the_gradient_sums_in_the_closing_agreement(two_processes):
     for calls, parameters, _, _ in two_processes[1]:
-        assert [name for name, _ in calls] == ["all_reduce"] * 3
-        first, closing, _ = (size for _, size in calls)
-        assert first == 2 * 4 * 8
-        assert closing == 2 * 8 + parameters * 8  # the flags and sum_r N_r g_r, float64
-        assert sum(size for _, size in calls) - parameters * 8 <= BYTES_BEYOND_GRADIENTS
+        assert [name for name, _ in calls] == ["all_reduce"] * 2
+        closing, sums = (size for _, size in calls)
+        assert closing == 2 * ROW_BYTES + parameters * 8  # the rows and sum_r N_r g_r, float64
+        assert sums > 0  # the sums, which project on the global mean gradient
+        assert closing + sums - parameters * 8 <= BYTES_BEYOND_GRADIENTS
 
 
 def test_loss_alone_sends_the_agreement_only(two_processes):
     for calls, _, _, values in two_processes[2]:
-        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8]  # (no sums: an empty room)
+        assert [size for _, size in calls] == [2 * ROW_BYTES]  # (no sums: an empty room)
         assert "Loss" in values
 
 
 def test_the_per_rank_view_adds_one_number_per_process_to_the_packed_sums(two_processes):
     for calls, _, _, values in two_processes[3]:
-        assert [size for _, size in calls] == [2 * 4 * 8, 2 * 8 + 2 * 8]  # ||g_r||^2 per rank
+        assert [size for _, size in calls] == [2 * ROW_BYTES + 2 * 8]  # ||g_r||^2 per rank
         assert sorted(values["Ranks"]) == ["batch_size", "grad_norm", "loss", "step_time"]
 
 

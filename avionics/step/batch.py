@@ -164,6 +164,9 @@ class OneProcess:
         """The quantities' sums (nothing to add)."""
         return sums
 
+    def agreed(self, data) -> None:
+        """Nothing learnt from other processes."""
+
     def average_unsynced(self, gradients) -> None:
         """Nothing to average."""
 

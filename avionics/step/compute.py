@@ -85,6 +85,7 @@ def compute(
             # scaled copies of the step's output gradients
             data.captured.release_rules(keep=factorable)
         data.totals = processes.add({q.name: q.sums(data) for q in active})
+        processes.agreed(data)  # the global loss, where it travelled with the sums
         for q in active:
             for s, value in q.compute(data).items():
                 values[s][q.name] = value

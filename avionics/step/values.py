@@ -51,6 +51,9 @@ class Entry:
     loss: Tensor | None = None
     batch: Batch | None = None
     finite: bool = True
+    # under data parallelism, the cockpit's own error found on entering (raised with every
+    # process's, when the block ends: :class:`~avionics.step.parallel.Agreement`)
+    failure: Exception | None = None
     single: bool = field(init=False)  # the step is one batch (micro_batches == 1)
     last: bool = field(init=False)  # this is the step's last micro-batch
 
