@@ -184,7 +184,7 @@ def test_the_cockpit_failing_on_one_rank_before_the_backward_raises_on_every_ran
         assert error.startswith(
             f"RuntimeError: Step {failing}, micro-batch 0: the process(es) of rank 1 raised"
         )
-        told = f"rank 1: ValueError: info['batch_size'] is {sizes[1]} but info['individual_losses']"
+        told = f"rank 1: ValueError: info['batch_size'] is {sizes[1]} but info['individual"
         assert told in error
         others = [o for step, o in enumerate(outcomes) if step != failing]
         assert others == ["tracked"] * (STEPS - 1)
