@@ -271,7 +271,7 @@ def report(problem: str, result: dict) -> str:
     communication = result["communication"]
     lines = [
         f"## Data parallelism: the cockpit beside a plain DDP step ({time.strftime('%Y-%m-%d')}, "
-        "issues 26 and 29, helper dist)",
+        "issues 26 and 29, helper one)",
         "",
         "Measured by `python -m benchmarks.data_parallel` (its docstring says how).",
         "",
@@ -307,6 +307,11 @@ def report(problem: str, result: dict) -> str:
                 ],
             ],  # fmt: skip
         ),
+        "",
+        "Wall-clock medians (perf_counter: the processes wait in collectives, which CPU time "
+        "would not show) on a machine shared by 8 helpers (load average "
+        f"{os.getloadavg()[0]:.1f} when the report was written): the ratios move by about "
+        "+-0.5 between runs; the collective counts and bytes below are exact.",
         "",
         f"Target: DDP ratio at most the single-process ratio + 0.1 "
         f"({s_tracked / s_plain + 0.1:.2f}x): "
@@ -351,18 +356,22 @@ def report(problem: str, result: dict) -> str:
     per_product = max((b for e, b in hvp if e >= dim), default=0)
     lines += [
         "",
-        "Every tracked step of several processes makes two small collectives of its agreement "
-        "(issue 28: each process learns of one that raised in its block, when the backward's "
-        "gradient reaches the loss, before DDP's all-reduces and FSDP's all-gathers, and at "
-        "the block's end); the first carries each process's batch size, loss and step time "
-        "(4 float64 per process), the second a flag per process and, under DDP with equal "
-        "shards, the quantities' sums: that closing agreement is held until they are made, "
-        "and a process that raised sends zeros in their room, whose size every process knows "
-        "from the last step with the same active quantities (the first such step, and one "
-        "whose sums outgrow the room, such as Alpha's first end, sends them apart). With "
-        "unequal shards the global mean gradient sum_r N_r g_r / N is not DDP's average "
-        "(1/W) sum_r g_r: the closing agreement carries the gradient sums (float64, P numbers "
-        "beside the flags). Under DDP's no_sync() (the "
+        "A tracked single-batch step of several processes under DDP makes one collective of "
+        "its own with equal shards: its agreement, made when the block ends (each process "
+        "learns of one that failed, the cockpit's own errors before the backward included, "
+        "which are recorded and raised with every process there), held until the "
+        "quantities' sums are made, carrying each process's row (raised, batch size, loss, "
+        "step time, skipped: 5 float64) and the sums (per-sample sums, which need no "
+        "process's batch size first; the global mean gradient is DDP's average). A process "
+        "that raised sends zeros in the sums' room, whose size every process knows from the "
+        "last step with the same active quantities (the first such step, and one whose sums "
+        "outgrow the room, such as Alpha's first end, sends them apart). With unequal shards "
+        "the global mean gradient sum_r N_r g_r / N is not DDP's average (1/W) sum_r g_r: "
+        "the agreement carries the gradient sums (float64, P numbers beside the rows), and "
+        "the sums, which project the g_n on that mean, follow in a second collective "
+        "(docs/cockpit.md, 'One collective'). Every process lays out the agreement for the "
+        "shards of the last tracked step (the first carries the gradient sums). Under "
+        "DDP's no_sync() (the "
         "curvature steps) one parameter-sized all-reduce is the gradient's, which replaces "
         f"DDP's; each Hessian-vector product adds one parameter-sized all-reduce of float64 "
         f"({per_product:,} B here, {GPT2_SMALL_PARAMETERS * 8 / 1e9:.2f} GB for GPT-2 small; "
@@ -373,42 +382,19 @@ def report(problem: str, result: dict) -> str:
         f"Target: economy adds at most 1 KB per step beyond the gradients (the gradient "
         f"sums' P float64 left out): {economy:,} B with "
         f"equal shards, {unequal:,} B with unequal ones, "
-        f"{'met' if max(economy, unequal) <= 1024 else 'not met'}.",
+        f"{'met' if max(economy, unequal) <= 1024 else 'not met'} (were 976 B and 976 B).",
         "",
         f"Target: one collective per tracked economy step: "
         f"{len(communication['economy'])} with equal shards, "
-        f"{len(communication['economy, unequal shards'])} with unequal ones: not met, and "
-        "not possible while the failure agreement's guarantee holds (issue 28: no process "
-        "waits for one that raised; every process raises a clear error). The argument, "
-        "for a tracked step of W >= 2 processes under DDP (docs/cockpit.md, 'Why two "
-        "collectives'): (1) a process may raise anywhere in the user's block (its forward, "
-        "its loss: out of memory, bad data), which the cockpit cannot foresee, so the "
-        "'closing only, when no process can raise before the backward' case cannot be "
-        "detected. (2) A process that raised before its backward makes none of DDP's "
-        "bucket all-reduces, while the others start them when their backward reaches the "
-        "last layer: unless every process first meets in a collective the raising process "
-        "can also make (ours), the others wait in DDP's bucket until the group's timeout. "
-        "Riding the check in DDP's buckets through a comm hook needs the raising process "
-        "to make the same bucket all-reduces (sizes, dtypes, order: the reducer's private "
-        "layout, rebuilt after the first step), and takes the one comm hook a DDP model "
-        "has from the user (bf16 compression, PowerSGD): rejected. So one collective of "
-        "ours precedes DDP's first bucket. (3) The economy's sums exist only after the "
-        "backward (the per-sample g_n) and the gradient tests' need the global mean "
-        "gradient g (sum_n (g_n . g)^2 is g^T (sum_n g_n g_n^T) g: no rewriting from "
-        "per-process quantities avoids g, which is whole only after DDP's last bucket), "
-        "so a second collective of ours follows DDP's last bucket, before the block's end: "
-        "deferring it into the next step's first agreement crosses the user's code between "
-        "the blocks (optimizer.step(), DDP's buffer broadcast at the next forward, an "
-        "untracked step's all-reduces), collectives a process that raised does not make. "
-        "Two is therefore the least, and equal shards make two (the first 4 float64 per "
-        "process, the second the flags and the sums). With unequal shards the global mean "
-        "gradient sum_r N_r g_r / N and DDP's average (1/W) sum_r g_r are independent "
-        "combinations of the g_r, and DDP's all-reduce gives the second only (rescaling "
-        "each process's loss gradient by W N_r / N before DDP's buckets would make p.grad "
-        "the global mean, not the average the user's optimizer expects), so one "
-        "parameter-sized sum more is needed after the backward and before the sums that "
-        "project on it: three, unless the cockpit's comm hook doubles DDP's buckets "
-        "(rejected in (2)).",
+        f"{len(communication['economy, unequal shards'])} with unequal ones (were 2 and 3: "
+        "an agreement when the backward started, before DDP's buckets, so that a process "
+        "that raised before its backward was named; now the cockpit's own errors before the "
+        "backward are held to the block's end, and a user's error before the backward leaves "
+        "DDP waiting as without the cockpit). Equal shards: "
+        f"{'met' if len(communication['economy']) == 1 else 'not met'}. Unequal shards: "
+        "two is the least while a quantity projects on the global mean gradient g "
+        "(sum_n (g_n . g)^2 = g^T (sum_n g_n g_n^T) g needs g, whole only after the "
+        "gradient sums' all-reduce; DDP's average is another combination of the g_r).",
         "",
         "The per-rank view's way (median seconds per step's exchange on this gloo group): "
         "each process's numbers in its slots of the step's one all_reduce, or an all_gather "

@@ -477,7 +477,6 @@ class Agreement:
         self.failed: list[int] | None = None  # the ranks that raised, once learnt
         self.messages: list[str] = []  # every process's message, once a failure is learnt
         self.ranks: Tensor | None = None
-        self.sizes: list[int] | None = None  # every process's N_i, from the first agreement
         self.skips: list[bool] = []  # every process's "skipped", from the first agreement
         self.closing = None  # what the closing agreement carries (see agree)
         self.carried: list[Tensor] = []
@@ -502,7 +501,6 @@ class Agreement:
         head = table.tolist() if first else table[:, :1].tolist()  # one host transfer
         if first:
             self.ranks = table[:, 1:4]
-            self.sizes = [int(row[1]) for row in head]
             self.skips = [bool(row[4]) for row in head]
         failed = [rank for rank, (flag, *_) in enumerate(head) if flag]
         if failed:
