@@ -7,6 +7,7 @@ and unequal per-process batches, 2 and 3 gloo processes, gradient accumulation i
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import models
 import pytest
@@ -277,3 +278,70 @@ def test_the_cheap_noise_scale_takes_the_processes_batches_as_the_small_ones(tmp
     for output in outputs:
         assert output["GradCovTrace"] == pytest.approx(float(noise), rel=1e-10)
         assert output["TrueGradSqNorm"] == pytest.approx(float(signal), rel=1e-10)
+
+
+# Per-process batch sizes that change between steps: equal, then unequal at step 2 (the steps
+# laid out for equal shards learn it only from their agreement), then equal again.
+CHANGING = [(3, 3), (3, 3), (3, 2), (3, 2), (3, 3), (3, 3)]
+PER_SAMPLE = ("Loss", "GradNorm", "NormTest", "InnerTest", "OrthoTest", "LossOutliers")
+
+
+def changing_batches():
+    return [
+        (*models.mlp(n=sum(sizes), seed=200 + step)[1:3], sizes)
+        for step, sizes in enumerate(CHANGING)
+    ]
+
+
+def changing_shards(rank, world):
+    """DDP with CHANGING shards: (the values, the warnings of each step)."""
+    model, _, _, loss_fn = models.mlp(n=2)
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, make_quantities(PER_SAMPLE))
+    opt = MeasuredSGD(model.parameters(), lr=0.05)
+    said = []
+    for step, (X, y, sizes) in enumerate(changing_batches()):
+        X, y = split(X, sizes, rank), split(y, sizes, rank)
+        opt.zero_grad()
+        losses = loss_fn(forward(X), y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(X)}
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with cockpit(step, info=info):
+                losses.mean().backward()
+        said.append([str(w.message) for w in caught if "batch sizes" in str(w.message)])
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), said
+
+
+def test_shards_that_become_unequal_skip_one_step_s_values_and_are_exact_after(tmp_path):
+    """A step laid out for equal shards (as at the step before) whose shards are unequal
+    stores its Loss alone, with a warning, on every process; every other step equals one
+    float64 process on the global batch."""
+    model, _, _, loss_fn = models.mlp(n=2)
+    cockpit = Cockpit(model, make_quantities(PER_SAMPLE))
+    opt = MeasuredSGD(model.parameters(), lr=0.05)
+    for step, (X, y, sizes) in enumerate(changing_batches()):
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(X)}
+        update = ddp_gradient(model, losses, sizes)
+        with cockpit(step, info=info):
+            losses.mean().backward()
+        for p, g in zip(model.parameters(), update):
+            p.grad = g.detach()
+        opt.step()
+    cockpit.close()
+    expected = cockpit.get_output()
+    first_unequal = CHANGING.index((3, 2))
+    for output, said in on_ranks(changing_shards, 2, tmp_path):
+        assert sorted(output[first_unequal]) == ["Loss"]
+        assert output[first_unequal]["Loss"] == pytest.approx(
+            float(expected[first_unequal]["Loss"]), rel=1e-12
+        )
+        assert [len(s) for s in said] == [int(step == first_unequal) for step in range(6)]
+        assert "batch sizes (3, 2) are unequal" in said[first_unequal][0]
+        others = {step: values for step, values in expected.items() if step != first_unequal}
+        del output[first_unequal]
+        assert_equal_outputs(output, others)
