@@ -14,6 +14,8 @@ sums, and the sums, which project on that mean, travel after it (2).
 
 from __future__ import annotations
 
+import contextlib
+
 import models
 import pytest
 import torch
@@ -237,3 +239,49 @@ def test_a_rank_raising_at_a_step_with_unequal_shards_is_named(tmp_path):
     assert (error0, error1) == ("RuntimeError", "ValueError")
     assert "Step 1, micro-batch 0: the process(es) of rank 1 raised inside" in message0
     assert steps0 == steps1 == [0]
+
+
+def one_rank_s_scaled_gradients_not_finite(rank, world):
+    """Equal shards, a scaled backward (c = 2, as GradScaler's); at step 2 rank 1's gradients
+    are infinite (a hook of its own): (each step's collectives, values, warnings)."""
+    model, X, y, loss_fn = models.mlp(n=6)
+    X, y = X[3 * rank : 3 * rank + 3], y[3 * rank : 3 * rank + 3]
+    forward = nn.parallel.DistributedDataParallel(model)
+    cockpit = Cockpit(forward, [quantities.Loss(), quantities.GradNorm(), quantities.NormTest()])
+    counted, per_step, said = Counted(), [], []
+    weight = next(model.parameters())
+    for step in range(4):
+        hook = None
+        if rank == 1 and step == 2:
+            hook = weight.register_hook(lambda g: g * float("inf"))
+        counted.on, counted.calls = True, []
+        losses = loss_fn(forward(X), y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": 3}
+        with pytest.warns(UserWarning) if step == 2 else contextlib.nullcontext() as caught:
+            with cockpit(step, info=info):
+                (2.0 * info["loss"]).backward()
+        counted.on = False
+        per_step.append([size for _, size in counted.calls])
+        said.append([str(w.message) for w in caught] if step == 2 else [])
+        if hook is not None:
+            hook.remove()
+        model.zero_grad()
+    counted.close()
+    cockpit.close()
+    return per_step, cockpit.get_output(), said
+
+
+def test_a_rank_s_scaled_gradients_not_finite_skip_the_step_on_every_rank_in_one_collective(
+    tmp_path,
+):
+    """The rank whose gradients are not finite says so in its row of the step's one
+    collective ("skipped"): every rank stores the Loss alone, with a warning naming it."""
+    results = on_ranks(one_rank_s_scaled_gradients_not_finite, 2, tmp_path)
+    for per_step, values, said in results:
+        assert len(per_step[2]) == 1  # the agreement only, the sums riding in it
+        assert sorted(values[2]) == ["Loss"]
+        assert sorted(values[3]) == ["GradNorm", "Loss", "NormTest"]
+        assert any("not finite after a scaled backward" in message for message in said[2])
+    (_, values0, said0), (_, values1, said1) = results
+    assert values0[2]["Loss"] == values1[2]["Loss"]
+    assert any("the gradients of rank 1 are not finite" in message for message in said0[2])
