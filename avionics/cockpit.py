@@ -234,7 +234,12 @@ class Cockpit:
         the next step (or a retry of this one from micro-batch 0): the interrupted step stores
         nothing, and neither do the two-step values that needed it (UpdateSize and Alpha of the
         tracked step before it); with several processes, the others raise a RuntimeError
-        naming the rank and step (every process must run every tracked step). A step whose
+        naming the rank and step (every process must run every tracked step), except for an
+        exception before the backward under DDP, which leaves the others waiting in DDP's
+        all-reduces as without the cockpit. With several processes a check that fails on
+        entering is raised when the block ends instead, on every process together (the
+        block's backward and DDP's all-reduces run as usual): docs/cockpit.md, "One
+        collective a tracked step under DDP". A step whose
         micro-batch 0 begins while the step before has had fewer micro-batches than it
         declared skips that step, with a warning. A model changed since the cockpit was built
         (a tracked parameter replaced, removed or frozen) is refused on entering, naming what
