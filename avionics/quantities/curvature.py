@@ -68,7 +68,7 @@ def _graph_grads(data: StepData) -> list[Tensor]:
     checked on leaving the block that the backward kept a graph)."""
     return [
         g if g is not None and g.grad_fn is not None else torch.zeros_like(p)
-        for g, p in zip(data.graph_grads, data.params, strict=True)
+        for g, p in zip(data.graph_grads, data.leaves, strict=True)
     ]
 
 
@@ -339,7 +339,7 @@ class _Curvature(Quantity):
         if self.curvature != AUTO:
             return self.curvature
         if self._chosen is None:
-            self._chosen, _ = choose_variant(data.model, data.params, step_output_entries(data))
+            self._chosen, _ = choose_variant(data.model, data.tracked, step_output_entries(data))
         return self._chosen
 
     def _key(self, data: StepData) -> tuple:
@@ -410,7 +410,7 @@ class _Curvature(Quantity):
                 data.captured.engine,
                 part.calls,
                 part.individual_losses,
-                data.params,
+                [p.detach() for p in data.leaves],  # (whole, also under FSDP)
                 mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
                 generator=generator,
                 traces=traces,
@@ -427,10 +427,11 @@ class _Curvature(Quantity):
         scale = 1.0 / len(data.individual_losses) if data.reduction == "sum" else 1.0
         grads = _graph_grads(data)
         kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
+        leaves = data.leaves
         probed = hessian_diagonal_by_probes(
-            [grads[k] for k in kept], [data.tracked[k] for k in kept], scale
+            [grads[k] for k in kept], [leaves[k] for k in kept], scale
         )
-        h = [torch.zeros_like(p) for p in data.params]
+        h = [torch.zeros_like(p) for p in leaves]
         for k, d in zip(kept, probed, strict=True):
             h[k] = d
         return h

@@ -265,10 +265,11 @@ def validate_forwards(step: int, info: dict, active: list, capture, model, param
         q.validate_forward(step, model, params, roots, n)
 
 
-def check_backward(step: int, active: list, params: list[Tensor]) -> None:
-    """After the backward: it kept the graph that the step's curvature quantities need."""
+def check_backward(step: int, active: list, graph: list[Tensor | None]) -> None:
+    """After the backward: it kept the graph that the step's curvature quantities need (on
+    some of the gradients ``graph``, as the curvature quantities read them)."""
     readers = [q.name for q in active if q.create_graph]
-    if readers and not any(p.grad is not None and p.grad.requires_grad for p in params):
+    if readers and not any(g is not None and g.requires_grad for g in graph):
         raise RuntimeError(
             f"Step {step}: {', '.join(readers)} differentiate the gradient again, but the "
             "backward kept no graph: call loss.backward(create_graph=cockpit.create_graph(step)) "
