@@ -21,17 +21,25 @@ from test_distributed import (
     assert_equal_outputs,
     batches,
     ddp_gradient,
-    make_quantities,
     reduced,
     split,
 )
 from test_fsdp import shard
 
-from avionics import Cockpit, configuration
+from avionics import Cockpit, configuration, quantities
 
 CURVATURE = ("Loss", "HessTrace", "TICDiag", "TICTrace", "HessMaxEV")
 BUSINESS = tuple(q.name for q in configuration("business"))
 SHARPNESS = ("Loss", "GradNorm", "PreconditionedSharpness")
+
+
+def make_quantities(names):
+    """The quantities ``names``, "Name:variant" with the curvature diagonal's variant."""
+    made = []
+    for name in names:
+        name, _, variant = name.partition(":")
+        made.append(getattr(quantities, name)(**({"curvature": variant} if variant else {})))
+    return made
 
 
 def optimizer(model, names):
@@ -63,9 +71,10 @@ def single_process(architecture, names, sizes, reduction="mean"):
     return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
 
 
-def one_rank(rank, world, architecture, names, sizes, nested, reduction="mean"):
+def one_rank(rank, world, architecture, names, sizes, nested, reduction="mean", micro=1):
     """One process of an FSDP2 run with the curvature quantities ``names``: its shard of each
-    batch, backpropagated with create_graph where the cockpit asks."""
+    batch, backpropagated with create_graph where the cockpit asks, in ``micro`` micro-batches
+    (gradient accumulation, FSDP's gradient sync off on all but the last)."""
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
     shard(model, nested)
     groups = [
@@ -80,11 +89,16 @@ def one_rank(rank, world, architecture, names, sizes, nested, reduction="mean"):
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         X, y = split(X, sizes, rank), split(y, sizes, rank)
         opt.zero_grad()
-        losses = loss_fn(model(X), y)
-        loss = reduced(losses, reduction)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
+        parts = list(zip(X.tensor_split(micro), y.tensor_split(micro)))
+        for i, (Xi, yi) in enumerate(parts):
+            model.set_requires_gradient_sync(i == len(parts) - 1)
+            losses = loss_fn(model(Xi), yi)
+            loss = reduced(losses, reduction)
+            info = {"loss": loss, "individual_losses": losses, "batch_size": len(Xi)}
+            info["optimizer"] = opt
+            share = len(Xi) / len(X) if reduction == "mean" else 1.0
+            with cockpit(step, info=info, micro_batch=i, micro_batches=len(parts)):
+                (share * loss).backward(create_graph=cockpit.create_graph(step))
         unsharded_after.append(any(group.is_unsharded for group in groups))
         opt.step()
     cockpit.close()
@@ -97,13 +111,18 @@ def scenarios_on_rank(rank, world, scenarios):
     return [one_rank(rank, world, *scenario) for scenario in scenarios]
 
 
-# (architecture, quantity names, per-process batch sizes, blocks sharded too, reduction)
+# (architecture, quantity names, per-process batch sizes, blocks sharded too, the loss's
+# reduction, the micro-batches of each process's shard)
 SCENARIOS = [
     ("mlp", CURVATURE, (3, 3), True),
     ("mlp", CURVATURE, (5, 2), False),
     ("cnn", CURVATURE, (2, 3), True),
     ("mlp", BUSINESS, (4, 2), True, "sum"),
     ("mlp", SHARPNESS, (3, 4), True),
+    ("cnn", ("Loss", "HessTrace:diag_ggn_exact", "TICDiag:diag_ggn_mc"), (3, 2), False),
+    ("mlp", ("TICTrace:diag_ggn_mc", "TICDiag:diag_ggn_exact"), (2, 4), True, "sum"),
+    ("mlp", CURVATURE, (4, 4), True, "mean", 2),
+    ("cnn", ("Loss", "HessMaxEV", "TICDiag:diag_ggn_exact"), (4, 2), False, "sum", 2),
     ("transformer", ("Loss", "HessMaxEV", "TICTrace", "PreconditionedSharpness"), (2, 3), True),
 ]
 
@@ -117,7 +136,7 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("k", range(len(SCENARIOS)))
 def test_curvature_quantities_are_the_global_batch_s_under_fsdp2(spawned, k):
     architecture, names, sizes, _, *rest = SCENARIOS[k]
-    expected, params = single_process(architecture, names, sizes, *rest)
+    expected, params = single_process(architecture, names, sizes, *rest[:1])
     for output, final, unsharded_after, settings in (results[k] for results in spawned):
         assert_equal_outputs(output, expected)
         # (Adam moves a coordinate whose gradient is rounding noise by lr times its sign)

@@ -403,6 +403,9 @@ class _Curvature(Quantity):
         # one batch, or the micro-batches of an accumulated step: the diagonal of the mean
         # over all their samples is sum_i (N_i / N) diag G_i (1 each for a sum)
         parts = data.micro_batches or [MicroBatch(data.captured.calls, losses, 1.0)]
+        # one batch over several processes: the Monte-Carlo draws of the global batch's rows
+        sizes, rank = data.parallel.batch_sizes, data.parallel.world.rank
+        rows = None if data.micro_batches or len(sizes) < 2 else (sum(sizes[:rank]), sum(sizes))
         total = None
         for part in parts:
             h = ggn_diagonal(
@@ -414,6 +417,7 @@ class _Curvature(Quantity):
                 mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
                 generator=generator,
                 traces=traces,
+                rows=rows,
             )
             terms = [part.share * d for d in h] if data.micro_batches else h
             total = terms if total is None else [a + b for a, b in zip(total, terms, strict=True)]
