@@ -30,10 +30,24 @@ sharded after the backward:
   where Alpha's projection after ``optimizer.step()`` swaps it in, is gathered with the
   directions.
 
+* the curvature quantities' second differentiation (Hessian-vector products, the Hessian
+  diagonal's probes, the GGN's columns backpropagated through the forward graph): the
+  step's graph reads the layers' unsharded parameters, which FSDP frees after the
+  backward. A curvature step keeps them through its backward (:meth:`Sharded.no_sync`:
+  FSDP's reshard_after_backward off from the step before, restored after) and reshards
+  them when its values are computed (:meth:`Sharded.reshard_kept`). Each process's
+  gradient with its graph is recorded at FSDP's unsharded parameters (:meth:`leaves`,
+  :attr:`~avionics.quantities.base.StepData.leaves`), so its product is H_r v of its own
+  loss, whole; the global loss's H v = sum_r w_r H_r v (w_r = N_r / N for a mean, 1 for a
+  sum) is one all-reduce of the parameters' size per product, and a diagonal
+  sum_r w_r h_r one per step, exactly as under DDP. PreconditionedSharpness's P^{-1/2} is
+  made from the shards of the gradient, parameters and optimizer state and all-gathered
+  once per step (:meth:`~avionics.quantities.base.Parallel.whole`).
+
 Norms of parameters and gradients are of the whole parameters, from the shards' squared norms
 added over the processes (:func:`avionics.quantities.base.whole_norms`). The quantities whose
-computation needs the whole parameters or gradients elsewhere are refused by name
-(:func:`sharded`).
+computation needs the whole parameters or the mean gradient per coordinate at every step
+(GradHist2d, MeanGSNR, ...) are refused by name (:func:`sharded`).
 """
 
 from __future__ import annotations
@@ -381,7 +395,8 @@ def _fsdp_params(modules: list[nn.Module], params: list) -> list:
 
 def sharded(model: nn.Module, quantities: list) -> bool:
     """Whether ``model``'s parameters are sharded by FSDP (``fully_shard``); refuse the
-    quantities that need whole parameters, and FullyShardedDataParallel (FSDP1)."""
+    quantities that need whole parameters or the mean gradient per coordinate, and
+    FullyShardedDataParallel (FSDP1)."""
     from torch.distributed.tensor import DTensor
 
     _refuse_fsdp1(model)
@@ -414,7 +429,8 @@ def _refuse_fsdp1(model: nn.Module) -> None:
             "with use_orig_params=True its parameters keep their names, but each process's "
             "part of one is a piece of a flattened shard cut across parameters (a parameter "
             "may have no element on a process, and its gradient is None there), not rows "
-            "of it"
+            "of it: a direction, a gradient or a parameter would have to be gathered by "
+            "FSDP1's private flat-parameter offsets"
         )
     else:
         why = "its flattened parameters have no names of the model's"
