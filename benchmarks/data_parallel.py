@@ -439,6 +439,19 @@ FSDP_ROWS = ["economy", "business", "HessTrace", "TICDiag", "HessMaxEV", "Precon
 FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
 
 
+def _counting_output(counted, function):
+    """``function`` (FSDP's output-first collectives, called with keywords) counted by the
+    (elements, bytes) of its output buffer while ``counted`` is on."""
+
+    def count(*args, **kwargs):
+        output = kwargs.get("output", kwargs.get("output_tensor", args[0] if args else None))
+        if counted.on and isinstance(output, torch.Tensor):
+            counted.calls.append((output.numel(), output.numel() * output.element_size()))
+        return function(*args, **kwargs)
+
+    return count
+
+
 def _fsdp_communication(problem, chosen, shard):
     """(the cockpit's collectives of one tracked step beyond FSDP's, as (elements, bytes),
     the Hessian-vector products its quantities made): step 2's collectives less those of a
@@ -446,7 +459,7 @@ def _fsdp_communication(problem, chosen, shard):
     counted = Counted()
     extra = {name: getattr(dist, name) for name in FSDP_COLLECTIVES}
     for name, function in extra.items():
-        setattr(dist, name, counted._counting(function))
+        setattr(dist, name, _counting_output(counted, function))
     try:
         calls = {}
         for tracked in (False, True):
