@@ -190,7 +190,7 @@ class Sharded(DataParallel):
         if not reads_parameters(contributions):
             yield
             return
-        # (a curvature step keeps them unsharded past its backward: left so, see keep_unsharded)
+        # (a curvature step keeps them unsharded past its backward: left so, see no_sync)
         kept = [_unsharded(module) for module in self._modules]
         for module in self._modules:
             module.unshard()
