@@ -372,7 +372,8 @@ class Cockpit:
             # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
             # into it: keep a copy. Under FSDP each process's whole gradient arrives at the
             # unsharded parameters.
-            graph = any(q.create_graph for q in entry.active) and not single
+            # (under FSDP p.grad is the reduce-scattered shard, without the graph)
+            graph = any(q.create_graph for q in entry.active) and (self._sharded or not single)
             leaves = self._processes.leaves() if self._sharded else self.params
             handles += record_gradients(part, leaves, several or not single, graph)
         return capture, part, handles
@@ -421,6 +422,8 @@ class Cockpit:
             self._done(entry.step)
             if self._world.size > 1:  # the closing agreement, where no add made it
                 self._processes.settle(raised)
+            if self._sharded:
+                self._processes.reshard_kept()
         return values
 
     def _values(self, entry: Entry, parts: list[Part], combined: Combined) -> dict:
@@ -447,7 +450,7 @@ class Cockpit:
                 batch, skipped = dataclasses.replace(batch, loss=skip.loss), skip.reason
         if skipped is not None:
             return self._loss_only(step, batch.loss, skipped)
-        checks.check_backward(step, active, self.params)
+        checks.check_backward(step, active, combined.graph)
         if request and any(p.capture is None or not p.capture.calls_by_module() for p in parts):
             active, request = self._without_per_sample(step, active, 7)
         self._storage.describe_training(entry.info, batch, self._world.size)
@@ -561,6 +564,8 @@ class Cockpit:
                 agreement.on_error(error)
             if capture is not None:
                 capture.release()
+            if self._sharded:  # (what a curvature step kept unsharded)
+                self._processes.reshard_kept()
             if self._accumulation is not None:  # the step's earlier micro-batches
                 for part in self._accumulation.parts:
                     if part.capture is not None:

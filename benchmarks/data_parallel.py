@@ -415,14 +415,181 @@ def report(problem: str, result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- FSDP2 curvature (issue 29)
+# The FSDP2 rows of the curvature presets: the business preset's tracked step beside a plain
+# fully_shard step, and what the cockpit sends beyond FSDP's own collectives, per
+# Hessian-vector product (``--fsdp-curvature``, its own section of BENCHMARKS.md).
+FSDP_ROWS = ["economy", "business", "HessTrace", "TICDiag", "HessMaxEV", "PreconditionedSharpness"]
+# FSDP2 (torch 2.13) all-gathers and reduce-scatters through these (counted too, then
+# subtracted: a plain step's collectives are FSDP's own)
+FSDP_COLLECTIVES = ("all_gather_single", "reduce_scatter_single")
+
+
+def _counting_output(counted, function):
+    """``function`` (FSDP's output-first collectives, called with keywords) counted by the
+    (elements, bytes) of its output buffer while ``counted`` is on."""
+
+    def count(*args, **kwargs):
+        output = kwargs.get("output", kwargs.get("output_tensor", args[0] if args else None))
+        if counted.on and isinstance(output, torch.Tensor):
+            counted.calls.append((output.numel(), output.numel() * output.element_size()))
+        return function(*args, **kwargs)
+
+    return count
+
+
+def _fsdp_communication(problem, chosen, shard):
+    """(the cockpit's collectives of one tracked step beyond FSDP's, as (elements, bytes),
+    the Hessian-vector products its quantities made): step 2's collectives less those of a
+    plain fully_shard step of the same model (FSDP's all-gathers and reduce-scatters)."""
+    counted = Counted()
+    extra = {name: getattr(dist, name) for name in FSDP_COLLECTIVES}
+    for name, function in extra.items():
+        setattr(dist, name, _counting_output(counted, function))
+    try:
+        calls = {}
+        for tracked in (False, True):
+            model, X, y, loss_fn = PROBLEMS[problem]()
+            X, y = X[shard], y[shard]
+            forward = _wrapped(model, "fsdp")
+            made = chosen()
+            cockpit = Cockpit(forward, made) if tracked else None
+            opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+            for k in range(3):
+                counted.on = k == 2
+                _step(model, forward, cockpit, opt, X, y, loss_fn, k)
+            if cockpit is not None:
+                cockpit.close()
+            calls[tracked] = counted.take()
+    finally:
+        counted.close()
+        for name, function in extra.items():
+            setattr(dist, name, function)
+    ours = list(calls[True])
+    for call in calls[False]:  # FSDP's own
+        ours.remove(call)
+    products = sum(q.num_products.get(2, 0) for q in made if hasattr(q, "num_products"))
+    return ours, products
+
+
+def _fsdp_rank(rank, port, problem, steps, warmup, out):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
+        timeout=timedelta(seconds=600),
+    )  # fmt: skip
+    batch = len(PROBLEMS[problem]()[1])
+    per = batch // WORLD
+    shard = slice(rank * per, (rank + 1) * per)
+    unequal = slice(0, per - 1) if rank == 0 else slice(per, 2 * per)
+    business = lambda forward: Cockpit(forward, configuration("business"))  # noqa: E731
+    economy = lambda forward: Cockpit(forward, configuration("economy"))  # noqa: E731
+    timed = {
+        "economy": _timed(problem, economy, steps, warmup, shard, wrap="fsdp"),
+        "business": _timed(problem, business, steps, warmup, shard, wrap="fsdp"),
+    }
+    rows = {name: _fsdp_communication(problem, _chosen(name), shard) for name in FSDP_ROWS}
+    rows["business, unequal shards"] = _fsdp_communication(problem, _chosen("business"), unequal)
+    dist.destroy_process_group()
+    if rank == 0:
+        torch.save({"timed": timed, "communication": rows}, out)
+
+
+def run_fsdp(problem: str, steps: int, warmup: int, out: str) -> dict:
+    torch.set_num_threads(1)
+    business = lambda m: Cockpit(m, configuration("business"))  # noqa: E731
+    single = _timed(problem, business, steps, warmup)
+    mp.start_processes(
+        _fsdp_rank, args=(_free_port(), problem, steps, warmup, out), nprocs=WORLD,
+        start_method="spawn",
+    )  # fmt: skip
+    result = torch.load(out, weights_only=False)
+    result["timed"]["one process, whole batch, business"] = single
+    result["parameters"] = sum(p.numel() for p in PROBLEMS[problem]()[0].parameters())
+    return result
+
+
+def fsdp_report(problem: str, result: dict) -> str:
+    dim = result["parameters"]
+    timing = [
+        [
+            name if name.startswith("one") else f"FSDP2 (fully_shard), {WORLD} processes, {name}",
+            f"{plain * 1e3:.1f} ms",
+            f"{tracked * 1e3:.1f} ms",
+            f"{tracked / plain:.2f}x",
+        ]
+        for name, (tracked, plain) in result["timed"].items()
+    ]
+    traffic = []
+    for name, (calls, products) in result["communication"].items():
+        large = [b for e, b in calls if e >= dim]
+        small = sum(b for e, b in calls if e < dim)
+        per_product = f"{max(large):,} B" if products and large else ""
+        traffic.append(
+            [name, str(len(calls)), f"{small:,} B", str(len(large)), str(products or ""),
+             per_product, f"{sum(b for _, b in calls):,} B"]
+        )  # fmt: skip
+    return "\n".join(
+        [
+            f"## FSDP2: the curvature presets beside a plain fully_shard step "
+            f"({time.strftime('%Y-%m-%d')}, issue 29, helper fsdpc)",
+            "",
+            "Measured by `python -m benchmarks.data_parallel --fsdp-curvature`. "
+            f"{problem} ({dim:,} parameters), {WORLD} gloo processes on this machine, batch "
+            f"split evenly, one torch thread each, each child with parameters and the model "
+            f"sharded by fully_shard; wall clock under the machine's load ({machine()}):",
+            "",
+            table(["run", "plain step", "tracked step", "ratio"], timing),
+            "",
+            "What the cockpit sends per tracked step beyond FSDP's own all-gathers and "
+            "reduce-scatters (a plain fully_shard step's, subtracted): every torch.distributed "
+            "collective, as (elements, bytes) of its buffer; *parameter-sized*: those of the "
+            "parameters' count or more; *per product*: the all-reduce of each Hessian-vector "
+            "product (Adam, step 2):",
+            "",
+            table(
+                [
+                    "quantities",
+                    "collectives",
+                    "small",
+                    "parameter-sized",
+                    "products",
+                    "per product",
+                    "bytes",
+                ],
+                traffic,
+            ),  # fmt: skip
+            "",
+            "A curvature step keeps FSDP's unsharded parameters through its backward "
+            "(set_reshard_after_backward(False)) and reshards them once its values are "
+            "computed: no all-gather more than FSDP's, and the whole model held on every "
+            "process from the backward to the block's end. Each Hessian-vector product is "
+            "one all-reduce of sum_r w_r H_r v, the parameters' size in float64 (the "
+            "packing of avionics.distributed.sum_over_processes, as under DDP; HessMaxEV's "
+            "Lanczos and PreconditionedSharpness's); a curvature diagonal is "
+            "one all-reduce of its P numbers per step (HessTrace alone: its K sums), "
+            "TICDiag's second moments one more of P; PreconditionedSharpness all-gathers "
+            "P^{-1/2} once per step (each process makes its shards' from the optimizer's "
+            "sharded state).",
+        ]
+    )
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--problem", default="mlp", choices=sorted(PROBLEMS))
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--fsdp-curvature", action="store_true", help="the FSDP2 curvature rows")
     args = parser.parse_args(argv)
     out = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"avionics-dp-{os.getpid()}.pt")
+    if args.fsdp_curvature:
+        text = fsdp_report(args.problem, run_fsdp(args.problem, args.steps, args.warmup, out))
+        print(text)
+        if not args.no_write:
+            write_section("fsdp-curvature", text)
+        return
     text = report(args.problem, run(args.problem, args.steps, args.warmup, out))
     print(text)
     if not args.no_write:

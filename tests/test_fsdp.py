@@ -1,12 +1,13 @@
 """The cockpit under FSDP2 (``torch.distributed.fsdp.fully_shard``): on every process, each
-quantity of the "economy" and "transformer" presets (but PreconditionedSharpness, refused by
-name with the other curvature quantities) equals one process run on the concatenated batch
-(float64), with equal and unequal per-process batches, the root alone or also its blocks
+quantity of the "economy" and "transformer" presets (PreconditionedSharpness and the other
+curvature quantities: tests/test_fsdp_curvature.py) equals one process run on the concatenated
+batch (float64), with equal and unequal per-process batches, the root alone or also its blocks
 sharded, gradient accumulation (micro-batches, FSDP's gradient sync off or on for the earlier
 ones), 2 and 3 gloo processes (avionics.step.sharded)."""
 
 from __future__ import annotations
 
+import models
 import pytest
 import torch
 from spawned import on_ranks
@@ -25,6 +26,7 @@ from test_distributed import (
 from avionics import Cockpit, configuration, read_run
 
 ECONOMY = tuple(q.name for q in configuration("economy"))
+# (PreconditionedSharpness reads an Adam's state: with Adam in tests/test_fsdp_curvature.py)
 TRANSFORMER = tuple(
     q.name for q in configuration("transformer") if q.name != "PreconditionedSharpness"
 )
@@ -157,18 +159,15 @@ def assert_runs_are_one_process_s(scenarios, results, tmp_path):
 
 def refusals_on_rank(rank, world):
     """What Cockpit(model, ...) raises for each refused case, with the global hooks it
-    leaves (none may be left by a refusal)."""
-    import models
+    leaves (none may be left by a refusal), and the shapes of the FSDP1 model's parameters
+    after a backward."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     from avionics import quantities
 
     hooks = len(torch.nn.modules.module._global_forward_hooks)
     cases = {
-        "curvature": (
-            True,
-            [quantities.Loss(), quantities.HessMaxEV(), configuration("transformer")[-1]],
-        ),
+        "full": (True, configuration("full")),
         "second moments": (True, [quantities.GradNorm(), quantities.MeanGSNR()]),
         "fsdp1": (False, [quantities.Loss()]),
         "fsdp1 orig": ("orig", [quantities.Loss()]),
@@ -185,16 +184,24 @@ def refusals_on_rank(rank, world):
             Cockpit(model, chosen)
         except TypeError as error:
             refused[case] = str(error)
-    return refused, len(torch.nn.modules.module._global_forward_hooks) - hooks
+    # FSDP1 trains on CPU gloo processes: each parameter a 1-D piece of the flat shard
+    X = torch.randn(4, 6, dtype=torch.float64)
+    model.train()
+    model(X).square().mean().backward()
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    return refused, len(torch.nn.modules.module._global_forward_hooks) - hooks, shapes
 
 
-def test_curvature_second_moments_and_fsdp1_are_refused_by_name(spawned):
-    for _, (refused, hooks_left) in spawned(2)[1]:
+def test_second_moments_the_full_preset_and_fsdp1_are_refused_by_name(spawned):
+    ranks = [refusals for _, refusals in spawned(2)[1]]
+    # the FSDP1 model ran: its parameters are 1-D pieces of the processes' flat shards,
+    # [5, 6] + [5] + ... elements of the model's split across them
+    shapes = [shape for _, _, flat in ranks for shape in flat]
+    assert all(len(shape) == 1 for shape in shapes)
+    assert sum(n for (n,) in shapes) == sum(p.numel() for p in models.mlp()[0].parameters())
+    for refused, hooks_left, _ in ranks:
         assert hooks_left == 0
-        curvature = refused["curvature"]
-        assert "HessMaxEV, PreconditionedSharpness differentiate the step's gradient" in curvature
-        assert "FSDP frees after the backward" in curvature
-        assert "without PreconditionedSharpness" in curvature
+        assert "GradHist2d need every parameter or its second moments whole" in refused["full"]
         moments = refused["second moments"]
         assert "MeanGSNR need every parameter or its second moments whole" in moments
         assert "Loss, GradNorm, Distance, UpdateSize" in moments
@@ -209,8 +216,6 @@ def test_curvature_second_moments_and_fsdp1_are_refused_by_name(spawned):
 def gathers_per_step(rank, world, sizes):
     """The parameter-sized all-gathers the cockpit makes in each step of an economy run
     (its block and its optimizer.step()), with the run's values."""
-    import models
-
     from avionics.step import sharded
 
     original, per_step = sharded._all_gather, []

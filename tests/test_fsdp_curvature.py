@@ -1,121 +1,147 @@
-"""Why the cockpit refuses its curvature quantities under FSDP2 (avionics.step.sharded), and
-what a sharded Hessian-vector product needs to be exact: two gloo processes, a float64 MLP
-``fully_shard``-ed per layer, each process the mean loss of its half of the batch.
+"""The curvature quantities under FSDP2 (``fully_shard``): on every process, HessTrace, TICDiag,
+TICTrace, HessMaxEV and PreconditionedSharpness (and the "business" preset) equal one process
+run on the concatenated batch (float64), with equal and unequal per-process batches, the root
+alone or also its blocks sharded, 2 gloo processes (avionics.step.sharded).
 
 A double backward through the step's gradient graph reads the layers' unsharded parameters
 the forward saved. With fully_shard's defaults FSDP frees them after the backward
-(reshard_after_backward), and the product fails on their freed storage. Kept through the
-backward (``set_reshard_after_backward(False)``, with reshard_after_forward True or False: the
-backward's all-gather refills the storage the graph saved), each process's product is
-H_r v of its own loss, and their average over the processes is the global batch's H v,
-equal to one float64 process's dense double backward.
+(reshard_after_backward); the cockpit keeps them through the backward of a curvature step
+(``set_reshard_after_backward(False)``, the user's setting restored after) and reshards them
+when the step's values are computed. Each process's product is then H_r v of its own loss,
+and w_r-weighted they add to the global batch's H v; the diagonals add alike.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from spawned import on_ranks
-from torch import nn
+from test_distributed import (
+    ARCHITECTURES,
+    assert_equal_outputs,
+    batches,
+    ddp_gradient,
+    reduced,
+    split,
+)
+from test_fsdp import shard
 
-from avionics import Cockpit, quantities
+from avionics import Cockpit, configuration, quantities
 
-MODES = {  # name: (reshard_after_forward, keep the unsharded parameters after the backward)
-    "defaults": (True, False),
-    "kept after the backward": (True, True),
-    "never resharded": (False, True),
-}
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
-
-
-def batch():
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(
-        0, 3, (8,), generator=g
-    )
+CURVATURE = ("Loss", "HessTrace", "TICDiag", "TICTrace", "HessMaxEV")
+BUSINESS = tuple(q.name for q in configuration("business"))
+SHARPNESS = ("Loss", "GradNorm", "PreconditionedSharpness")
 
 
-def direction(model):
-    g = torch.Generator().manual_seed(2)
-    return [torch.randn(p.shape, generator=g, dtype=torch.float64) for p in model.parameters()]
+def make_quantities(names):
+    """The quantities ``names``, "Name:variant" with the curvature diagonal's variant."""
+    made = []
+    for name in names:
+        name, _, variant = name.partition(":")
+        made.append(getattr(quantities, name)(**({"curvature": variant} if variant else {})))
+    return made
 
 
-def sharded_product(rank, world, reshard_after_forward, keep):
-    """The processes' average of H_r v through FSDP's unsharded parameters (the gradients
-    with their graph as they arrive there), or the error the double backward raises."""
-    from torch.distributed.fsdp import fully_shard
+def optimizer(model, names):
+    """Adam where PreconditionedSharpness reads its state, else SGD (not "plain SGD" to the
+    cockpit: Alpha measures the update)."""
+    if "PreconditionedSharpness" in names:
+        return torch.optim.Adam(model.parameters(), lr=0.01)
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
 
-    model, (X, y) = mlp(), batch()
-    v = direction(model)
-    for layer in (model[0], model[2]):
-        fully_shard(layer, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
-    model.set_reshard_after_backward(not keep)
-    loss = nn.functional.cross_entropy(model(X[rank::world]), y[rank::world])
-    by_shard = {
-        id(fsdp_param.sharded_param): fsdp_param
+
+def single_process(architecture, names, sizes, reduction="mean"):
+    """The reference: one process, the global batch, and the update FSDP makes (the average
+    of the processes' gradients)."""
+    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
+    cockpit = Cockpit(model, make_quantities(names))
+    opt = optimizer(model, names)
+    for step, (X, y) in enumerate(batches(architecture, sizes)):
+        opt.zero_grad()
+        losses = loss_fn(model(X), y)
+        loss = reduced(losses, reduction)
+        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
+        update = ddp_gradient(model, losses, sizes, reduction)
+        with cockpit(step, info=info):
+            loss.backward(create_graph=cockpit.create_graph(step))
+        for p, g in zip(model.parameters(), update):
+            p.grad = g.detach()
+        opt.step()
+    cockpit.close()
+    return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
+
+
+def one_rank(rank, world, architecture, names, sizes, nested, reduction="mean", micro=1):
+    """One process of an FSDP2 run with the curvature quantities ``names``: its shard of each
+    batch, backpropagated with create_graph where the cockpit asks, in ``micro`` micro-batches
+    (gradient accumulation, FSDP's gradient sync off on all but the last)."""
+    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
+    shard(model, nested)
+    groups = [
+        group
         for module in model.modules()
         if hasattr(module, "_get_fsdp_state")
         for group in module._get_fsdp_state()._fsdp_param_groups
-        for fsdp_param in group.fsdp_params
-    }
-    # (never resharded, the modules hold the unsharded parameters after the forward)
-    leaves = [
-        by_shard[id(p)].unsharded_param if id(p) in by_shard else p for p in model.parameters()
     ]
-    grads = [None] * len(leaves)
-
-    def keeper(k):
-        def keep_gradient(g):
-            grads[k] = g
-
-        return keep_gradient
-
-    handles = [leaf.register_hook(keeper(k)) for k, leaf in enumerate(leaves)]
-    loss.backward(create_graph=True)
-    for handle in handles:
-        handle.remove()
-    try:
-        products = torch.autograd.grad(sum((g * u).sum() for g, u in zip(grads, v)), leaves)
-    except RuntimeError as error:
-        return str(error)
-    products = [h.detach().clone() for h in products]
-    for h in products:
-        dist.all_reduce(h)
-    return [h / world for h in products]
-
-
-def on_a_rank(rank, world):
-    from torch.distributed.fsdp import fully_shard
-
-    products = {name: sharded_product(rank, world, *how) for name, how in MODES.items()}
-    refused = None
-    try:
-        Cockpit(fully_shard(mlp()), [quantities.Loss(), quantities.HessTrace()])
-    except TypeError as error:
-        refused = str(error)
-    return products, refused
+    cockpit = Cockpit(model, make_quantities(names))
+    opt = optimizer(model, names)
+    unsharded_after = []  # after each block: whether a group still holds its whole parameters
+    for step, (X, y) in enumerate(batches(architecture, sizes)):
+        X, y = split(X, sizes, rank), split(y, sizes, rank)
+        opt.zero_grad()
+        parts = list(zip(X.tensor_split(micro), y.tensor_split(micro)))
+        for i, (Xi, yi) in enumerate(parts):
+            model.set_requires_gradient_sync(i == len(parts) - 1)
+            losses = loss_fn(model(Xi), yi)
+            loss = reduced(losses, reduction)
+            info = {"loss": loss, "individual_losses": losses, "batch_size": len(Xi)}
+            info["optimizer"] = opt
+            share = len(Xi) / len(X) if reduction == "mean" else 1.0
+            with cockpit(step, info=info, micro_batch=i, micro_batches=len(parts)):
+                (share * loss).backward(create_graph=cockpit.create_graph(step))
+        unsharded_after.append(any(group.is_unsharded for group in groups))
+        opt.step()
+    cockpit.close()
+    settings = [group.reshard_after_backward for group in groups]
+    final = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return cockpit.get_output(), final, unsharded_after, settings
 
 
-@pytest.mark.slow
-def test_a_hessian_vector_product_under_fully_shard_is_exact_only_with_kept_parameters(tmp_path):
-    model, (X, y) = mlp(), batch()
-    params, v = list(model.parameters()), direction(model)
-    grads = torch.autograd.grad(
-        nn.functional.cross_entropy(model(X), y), params, create_graph=True
-    )
-    expected = torch.autograd.grad(sum((g * u).sum() for g, u in zip(grads, v)), params)
-    for products, refused in on_ranks(on_a_rank, 2, tmp_path):
-        assert "storage of size 0" in products["defaults"]  # FSDP freed the parameters
-        for name in ("kept after the backward", "never resharded"):
-            for ours, theirs in zip(products[name], expected, strict=True):
-                torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-14)
-        # the cockpit still refuses them by name, saying what to do instead
-        assert "HessTrace differentiate the step's gradient again" in refused
-        assert "set_reshard_after_backward(False)" in refused
-        assert "DistributedDataParallel" in refused
+def scenarios_on_rank(rank, world, scenarios):
+    return [one_rank(rank, world, *scenario) for scenario in scenarios]
+
+
+# (architecture, quantity names, per-process batch sizes, blocks sharded too, the loss's
+# reduction, the micro-batches of each process's shard)
+SCENARIOS = [
+    ("mlp", CURVATURE, (3, 3), True),
+    ("mlp", CURVATURE, (5, 2), False),
+    ("cnn", CURVATURE, (2, 3), True),
+    ("mlp", BUSINESS, (4, 2), True, "sum"),
+    ("mlp", SHARPNESS, (3, 4), True),
+    ("cnn", ("Loss", "HessTrace:diag_ggn_exact", "TICDiag:diag_ggn_mc"), (3, 2), False),
+    ("mlp", ("TICTrace:diag_ggn_mc", "TICDiag:diag_ggn_exact"), (2, 4), True, "sum"),
+    ("mlp", CURVATURE, (4, 4), True, "mean", 2),
+    ("cnn", ("Loss", "HessMaxEV", "TICDiag:diag_ggn_exact"), (4, 2), False, "sum", 2),
+    ("transformer", ("Loss", "HessMaxEV", "TICTrace", "PreconditionedSharpness"), (2, 3), True),
+]
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_curvature")
+    return on_ranks(scenarios_on_rank, 2, tmp, SCENARIOS)
+
+
+@pytest.mark.parametrize("k", range(len(SCENARIOS)))
+def test_curvature_quantities_are_the_global_batch_s_under_fsdp2(spawned, k):
+    architecture, names, sizes, _, *rest = SCENARIOS[k]
+    expected, params = single_process(architecture, names, sizes, *rest[:1])
+    for output, final, unsharded_after, settings in (results[k] for results in spawned):
+        assert_equal_outputs(output, expected)
+        # (Adam moves a coordinate whose gradient is rounding noise by lr times its sign)
+        for p, q in zip(final, params):
+            torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-10)
+        # resharded after each step's values; FSDP's own setting back after close
+        assert unsharded_after == [False] * len(unsharded_after)
+        assert settings == [True] * len(settings)

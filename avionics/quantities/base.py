@@ -83,6 +83,8 @@ class Parallel:
         ranks: under data parallelism, per process (N_r, its own loss L_r as reduced, the
             seconds of its step outside the collectives), [W, 3] float64, from the step's
             agreement (:class:`~avionics.step.parallel.Agreement`); None with one process.
+        layout: where the parameters are sharded, how (a
+            :class:`~avionics.step.sharded.ShardLayout`, for :meth:`whole`); else None.
     """
 
     world: World = SINGLE
@@ -90,11 +92,21 @@ class Parallel:
     local_grads: list[Tensor] | None = None
     sharded: bool = False
     ranks: Tensor | None = None
+    layout: Any = None
 
     def sum(self, tensors: list[Tensor]) -> list[Tensor]:
         """``tensors`` added over the processes (one collective; the tensors themselves with
         one process). Every process must call it, in the same order."""
         return sum_over_processes(tensors, self.world)
+
+    def whole(self, tensors: list[Tensor]) -> list[Tensor]:
+        """The whole tensors of this process's shards ``tensors`` (one per tracked parameter,
+        shaped as this process's shard of it), by one all-gather where the parameters are
+        sharded; the tensors themselves otherwise. Every process must call it, in the same
+        order."""
+        if self.layout is None:
+            return tensors
+        return self.layout.gather(tensors, list(range(len(tensors))))
 
 
 @dataclass
@@ -140,7 +152,11 @@ class StepData:
             a sum).
         graph_grads: ``p.grad`` as the backward left it, with its graph when the backward
             ran with ``create_graph=True`` (None where no gradient arrived).
-        tracked: the tracked parameters themselves (to differentiate against).
+        tracked: the tracked parameters themselves.
+        graph_leaves: what ``graph_grads`` are the gradients with respect to, where not
+            ``tracked``: under FSDP, the whole (unsharded) parameters FSDP keeps through a
+            curvature step's backward (:mod:`avionics.step.sharded`). Differentiate against
+            :attr:`leaves`.
         model: the network.
         active: the quantities active at this step (to share work between them).
         statistics: the per-sample statistics of the step's merged request, or None.
@@ -181,10 +197,17 @@ class StepData:
     micro_batches: list[MicroBatch] | None = None
     parallel: Parallel = field(default_factory=Parallel)
     cache: StepCache = field(default_factory=StepCache)
+    graph_leaves: list[Tensor] | None = None
 
     @property
     def optimizer(self):
         return self.info.get("optimizer")
+
+    @property
+    def leaves(self) -> list[Tensor]:
+        """The tensors ``graph_grads`` are the gradients with respect to (whole, to
+        differentiate against): ``graph_leaves`` where given, else ``tracked``."""
+        return self.tracked if self.graph_leaves is None else self.graph_leaves
 
     @property
     def share(self) -> float:
@@ -414,7 +437,7 @@ def per_parameter_rows(tensors: list[Tensor]) -> Tensor:
 def per_parameter_sums(flat: Tensor, data: StepData) -> Tensor:
     """[sum_{d in k} flat_d per tracked parameter k] of a tensor flattened over all tracked
     parameters in their order (as :func:`flat_sum_sq`)."""
-    sizes = [p.numel() for p in data.params]
+    sizes = [p.numel() for p in data.tracked]  # (whole, also where data.params are shards)
     return torch.stack([chunk.sum() for chunk in flat.split(sizes)])
 
 

@@ -68,7 +68,7 @@ def _graph_grads(data: StepData) -> list[Tensor]:
     checked on leaving the block that the backward kept a graph)."""
     return [
         g if g is not None and g.grad_fn is not None else torch.zeros_like(p)
-        for g, p in zip(data.graph_grads, data.params, strict=True)
+        for g, p in zip(data.graph_grads, data.leaves, strict=True)
     ]
 
 
@@ -339,7 +339,7 @@ class _Curvature(Quantity):
         if self.curvature != AUTO:
             return self.curvature
         if self._chosen is None:
-            self._chosen, _ = choose_variant(data.model, data.params, step_output_entries(data))
+            self._chosen, _ = choose_variant(data.model, data.tracked, step_output_entries(data))
         return self._chosen
 
     def _key(self, data: StepData) -> tuple:
@@ -403,6 +403,9 @@ class _Curvature(Quantity):
         # one batch, or the micro-batches of an accumulated step: the diagonal of the mean
         # over all their samples is sum_i (N_i / N) diag G_i (1 each for a sum)
         parts = data.micro_batches or [MicroBatch(data.captured.calls, losses, 1.0)]
+        # one batch over several processes: the Monte-Carlo draws of the global batch's rows
+        sizes, rank = data.parallel.batch_sizes, data.parallel.world.rank
+        rows = None if data.micro_batches or len(sizes) < 2 else (sum(sizes[:rank]), sum(sizes))
         total = None
         for part in parts:
             h = ggn_diagonal(
@@ -410,10 +413,11 @@ class _Curvature(Quantity):
                 data.captured.engine,
                 part.calls,
                 part.individual_losses,
-                data.params,
+                [p.detach() for p in data.leaves],  # (whole, also under FSDP)
                 mc_samples=self.mc_samples if variant == "diag_ggn_mc" else None,
                 generator=generator,
                 traces=traces,
+                rows=rows,
             )
             terms = [part.share * d for d in h] if data.micro_batches else h
             total = terms if total is None else [a + b for a, b in zip(total, terms, strict=True)]
@@ -427,10 +431,11 @@ class _Curvature(Quantity):
         scale = 1.0 / len(data.individual_losses) if data.reduction == "sum" else 1.0
         grads = _graph_grads(data)
         kept = [k for k, g in enumerate(grads) if g.grad_fn is not None]
+        leaves = data.leaves
         probed = hessian_diagonal_by_probes(
-            [grads[k] for k in kept], [data.tracked[k] for k in kept], scale
+            [grads[k] for k in kept], [leaves[k] for k in kept], scale
         )
-        h = [torch.zeros_like(p) for p in data.params]
+        h = [torch.zeros_like(p) for p in leaves]
         for k, d in zip(kept, probed, strict=True):
             h[k] = d
         return h

@@ -183,8 +183,9 @@ class HessMaxEV(WarmStartedTopEigenvalue):
 
 
 def _leaves(data: StepData):
-    """The tracked parameters themselves (with requires_grad), to differentiate against."""
-    return data.tracked
+    """What the step's graph is differentiated against (with requires_grad): the tracked
+    parameters themselves, or under FSDP their whole unsharded ones (:attr:`StepData.leaves`)."""
+    return data.leaves
 
 
 class _HessianProduct:

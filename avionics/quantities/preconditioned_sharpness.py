@@ -111,8 +111,16 @@ def _rmsprop_preconditioner(g: Tensor, state: dict, group: dict) -> Tensor:
     return v.sqrt() + group["eps"]
 
 
+def _local(tensor):
+    """This process's part of a sharded tensor (FSDP's DTensor), a tensor or value as it is."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def inverse_sqrt_preconditioner(data: StepData) -> list[Tensor]:
-    """P^{-1/2} per tracked parameter (zeros for one the step does not move)."""
+    """P^{-1/2} per tracked parameter (zeros for one the step does not move), whole: under
+    FSDP each process makes its shards' from its shards of the gradient, the parameters and
+    the optimizer's state, and the shards are all-gathered (one collective of the
+    parameters' size per step, :meth:`~avionics.quantities.base.Parallel.whole`)."""
     optimizer = data.optimizer
     group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     adam = isinstance(optimizer, torch.optim.Adam)
@@ -125,11 +133,11 @@ def inverse_sqrt_preconditioner(data: StepData) -> list[Tensor]:
         g = computing(g)  # (of a 16-bit model: in float32)
         coupled = not (adam and group.get("decoupled_weight_decay"))
         if group["weight_decay"] and coupled:
-            g = g + group["weight_decay"] * p.detach()
-        state = optimizer.state.get(p, {})
+            g = g + group["weight_decay"] * _local(p.detach())
+        state = {key: _local(value) for key, value in optimizer.state.get(p, {}).items()}
         precondition = _adam_preconditioner if adam else _rmsprop_preconditioner
         scales.append(precondition(g, state, group).rsqrt())
-    return scales
+    return data.parallel.whole(scales)
 
 
 class PreconditionedSharpness(WarmStartedTopEigenvalue):

@@ -77,7 +77,9 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
         n=part.n,
         individual_losses=detached_losses(part.info),
         gradients=gradients,
-        graph=[unscaled(p.grad, c) for p in params] if graph else gradients,
+        # (the gradients with their graph: p.grad, or where the hooks kept them (FSDP's
+        # unsharded parameters, whose p.grad is the reduce-scattered shard) theirs
+        graph=[unscaled(g, c) for g in _with_graph(part, params)] if graph else gradients,
         calls=calls,
         # a mean-reduced loss backpropagates c dl_n/dout / N: the factor N / c undoes it
         factor=None if part.n is None else (part.n if part.reduction == "mean" else 1) / c,
@@ -87,6 +89,11 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
         loss_finite=loss_finite,
         gradients_finite=gradients_finite,
     )
+
+
+def _with_graph(part: Part, params: list) -> list:
+    """The gradients with their graph, as the hooks kept them, else ``p.grad``."""
+    return part.graph if part.graph is not None else [p.grad for p in params]
 
 
 def read_after_backward(part: Part, raw: list, several: bool):

@@ -209,6 +209,30 @@ def check_micro_batch_info(step, i, info, reduction, n, parts) -> None:
         )
 
 
+def _reached(tensor: Tensor, edges: list) -> set[int]:
+    """The indices of ``edges`` (captured outputs of the model) that ``tensor``'s graph leads
+    to: a walk of its graph that stops at them, running no backward (a backward would fire
+    the hooks on the model's outputs, FSDP's pre-backward all-gathers among them); where
+    an output is a tensor itself (no node of its own), a backward to the outputs."""
+    if any(isinstance(edge, Tensor) for edge in edges):
+        grads = torch.autograd.grad(tensor.sum(), edges, retain_graph=True, allow_unused=True)
+        return {k for k, g in enumerate(grads) if g is not None}
+    index = {(id(edge.node), edge.output_nr): k for k, edge in enumerate(edges)}
+    found, seen = set(), set()
+    stack = [(tensor.grad_fn, tensor.output_nr)]
+    while stack:
+        node, output_nr = stack.pop()
+        if node is None:
+            continue
+        k = index.get((id(node), output_nr))
+        if k is not None:
+            found.add(k)
+        elif id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.next_functions)
+    return found
+
+
 def check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.Module) -> None:
     """Before the backward: the per-sample losses of a step whose quantities differentiate
     through them have a graph, and it leads to the captured forward of the model."""
@@ -228,13 +252,7 @@ def check_loss_graphs(step: int, info: dict, active: list, capture, model: nn.Mo
     if not roots:
         return
     edges = [output_edge(node) for call in roots for node in call.nodes]
-
-    # backwards through the loss function alone: which captured forwards each one comes from
-    def reached(tensor):
-        grads = torch.autograd.grad(tensor, edges, retain_graph=True, allow_unused=True)
-        return {k for k, g in enumerate(grads) if g is not None}
-
-    if not reached(losses.sum()) & reached(info["loss"]):
+    if not _reached(losses, edges) & _reached(info["loss"], edges):
         raise ValueError(
             f"Step {step}: info['loss'] and info['individual_losses'] do not come from one "
             f"forward pass of the model, which {', '.join(readers)} backpropagate through: "
@@ -265,10 +283,11 @@ def validate_forwards(step: int, info: dict, active: list, capture, model, param
         q.validate_forward(step, model, params, roots, n)
 
 
-def check_backward(step: int, active: list, params: list[Tensor]) -> None:
-    """After the backward: it kept the graph that the step's curvature quantities need."""
+def check_backward(step: int, active: list, graph: list[Tensor | None]) -> None:
+    """After the backward: it kept the graph that the step's curvature quantities need (on
+    some of the gradients ``graph``, as the curvature quantities read them)."""
     readers = [q.name for q in active if q.create_graph]
-    if readers and not any(p.grad is not None and p.grad.requires_grad for p in params):
+    if readers and not any(g is not None and g.requires_grad for g in graph):
         raise RuntimeError(
             f"Step {step}: {', '.join(readers)} differentiate the gradient again, but the "
             "backward kept no graph: call loss.backward(create_graph=cockpit.create_graph(step)) "

@@ -52,6 +52,7 @@ def compute(
         mean_grad=mean_grad,
         graph_grads=combined.graph,
         tracked=params,
+        graph_leaves=processes.leaves() if processes.sharded else None,
         model=model,
         active=tuple(active),
         micro_batches=combined.micro_batches,
@@ -61,6 +62,7 @@ def compute(
             local_grads=processes.local_gradients(combined),
             sharded=processes.sharded,
             ranks=batch.ranks,
+            layout=processes.layout if processes.sharded else None,
         ),
     )
     if request:

@@ -30,10 +30,24 @@ sharded after the backward:
   where Alpha's projection after ``optimizer.step()`` swaps it in, is gathered with the
   directions.
 
+* the curvature quantities' second differentiation (Hessian-vector products, the Hessian
+  diagonal's probes, the GGN's columns backpropagated through the forward graph): the
+  step's graph reads the layers' unsharded parameters, which FSDP frees after the
+  backward. A curvature step keeps them through its backward (:meth:`Sharded.no_sync`:
+  FSDP's reshard_after_backward off from the step before, restored after) and reshards
+  them when its values are computed (:meth:`Sharded.reshard_kept`). Each process's
+  gradient with its graph is recorded at FSDP's unsharded parameters (:meth:`leaves`,
+  :attr:`~avionics.quantities.base.StepData.leaves`), so its product is H_r v of its own
+  loss, whole; the global loss's H v = sum_r w_r H_r v (w_r = N_r / N for a mean, 1 for a
+  sum) is one all-reduce of the parameters' size per product, and a diagonal
+  sum_r w_r h_r one per step, exactly as under DDP. PreconditionedSharpness's P^{-1/2} is
+  made from the shards of the gradient, parameters and optimizer state and all-gathered
+  once per step (:meth:`~avionics.quantities.base.Parallel.whole`).
+
 Norms of parameters and gradients are of the whole parameters, from the shards' squared norms
 added over the processes (:func:`avionics.quantities.base.whole_norms`). The quantities whose
-computation needs the whole parameters or gradients elsewhere are refused by name
-(:func:`sharded`).
+computation needs the whole parameters or the mean gradient per coordinate at every step
+(GradHist2d, MeanGSNR, ...) are refused by name (:func:`sharded`).
 """
 
 from __future__ import annotations
@@ -54,12 +68,14 @@ from avionics.step.batch import local
 from avionics.step.parallel import DataParallel
 from avionics.step.values import Batch, Combined
 
-# What a cockpit computes on parameters fully_shard shards: the "economy" and "transformer"
-# presets but PreconditionedSharpness, and the noise scales.
+# What a cockpit computes on parameters fully_shard shards: the "economy", "business" and
+# "transformer" presets, the noise scales, and the curvature quantities (avionics.quantities
+# .curvature, hess_max_ev, preconditioned_sharpness; see Sharded.no_sync).
 SHARDED_QUANTITIES = (
     *("Loss", "GradNorm", "Distance", "UpdateSize", "Time", "Alpha", "GradHist1d"),
     *("InnerTest", "NormTest", "OrthoTest", "ActivationHealth", "GradientNoiseScale"),
     *("GradCovTrace", "TrueGradSqNorm", "SimpleNoiseScale", "LossOutliers", "UpdateRatio"),
+    *("HessTrace", "TICDiag", "TICTrace", "HessMaxEV", "PreconditionedSharpness"),
 )
 
 
@@ -150,6 +166,8 @@ class Sharded(DataParallel):
         self._last: list[tuple[Tensor, int, Tensor]] = []
         # the step's mean gradient (shards), until the step's first gather carries it
         self._coming: list[Tensor] = []
+        # the FSDP groups' reshard_after_backward while no_sync keeps them unsharded
+        self._reshard_after_backward: list[bool] | None = None
 
     def leaves(self) -> list[Tensor]:
         """The tensors the backward's gradients of the tracked parameters arrive at: FSDP's
@@ -172,6 +190,8 @@ class Sharded(DataParallel):
         if not reads_parameters(contributions):
             yield
             return
+        # (a curvature step keeps them unsharded past its backward: left so, see no_sync)
+        kept = [_unsharded(module) for module in self._modules]
         for module in self._modules:
             module.unshard()
         leaves = self.leaves()
@@ -184,7 +204,35 @@ class Sharded(DataParallel):
         finally:
             for leaf, value in zip(leaves, now or [], strict=False):
                 leaf.data = value
-            for module in self._modules:
+            for module, unsharded in zip(self._modules, kept, strict=True):
+                if not unsharded:
+                    module.reshard()
+
+    def no_sync(self, needed: bool) -> None:
+        """Keep the unsharded parameters through the next steps' backwards (a step that
+        differentiates the gradient again, whose graph reads them: FSDP's
+        ``set_reshard_after_backward(False)`` on every FSDP module, the user's setting kept
+        to restore), or stop. Each such step reshards them when its values are computed
+        (:meth:`reshard_kept`): FSDP makes no all-gather more, and every process holds the
+        whole model from the step's backward to the end of its block."""
+        groups = [group for module in self._modules for group in _groups(module)]
+        if needed and self._reshard_after_backward is None:
+            self._reshard_after_backward = [group.reshard_after_backward for group in groups]
+            for group in groups:
+                group.reshard_after_backward = False
+        elif not needed and self._reshard_after_backward is not None:
+            for group, setting in zip(groups, self._reshard_after_backward, strict=True):
+                group.reshard_after_backward = setting
+            self._reshard_after_backward = None
+
+    def reshard_kept(self) -> None:
+        """Reshard the parameters a curvature step kept unsharded past its backward
+        (:meth:`no_sync`), once its values are computed or it raised: before the optimizer
+        updates the shards, which the next forward all-gathers again."""
+        if self._reshard_after_backward is None:
+            return
+        for module in self._modules:
+            if _unsharded(module):
                 module.reshard()
 
     def gradients(self, combined: Combined, reduction: str, batch: Batch) -> list[Tensor]:
@@ -261,6 +309,9 @@ class ShardedEngine:
 
     def step(self, *args, **kwargs) -> ShardedCapturedStep:
         calls, n = args[:2]
+        # (a curvature step's modules hold the unsharded parameters already: no_sync)
+        leaves = self._processes.leaves()
+        self._engine.index.update({id(leaf): k for k, leaf in enumerate(leaves)})
         contributions = self._engine.contributions(calls, n, captured_backward=True)
         with self._processes.unsharded(self._engine, contributions):
             step = self._engine.step(*args, **kwargs)
@@ -322,11 +373,21 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def _groups(module: nn.Module) -> list:
+    """The FSDP parameter groups of an FSDP module."""
+    return list(module._get_fsdp_state()._fsdp_param_groups)
+
+
+def _unsharded(module: nn.Module) -> bool:
+    """Whether the FSDP module holds its unsharded parameters now."""
+    return any(group.is_unsharded for group in _groups(module))
+
+
 def _fsdp_params(modules: list[nn.Module], params: list) -> list:
     """The FSDPParam of each tracked parameter (None for one fully_shard does not manage)."""
     owned = {}
     for module in modules:
-        for group in module._get_fsdp_state()._fsdp_param_groups:
+        for group in _groups(module):
             for fsdp_param in group.fsdp_params:
                 owned[id(fsdp_param.sharded_param)] = fsdp_param
     return [owned.get(id(p)) for p in params]
@@ -334,7 +395,8 @@ def _fsdp_params(modules: list[nn.Module], params: list) -> list:
 
 def sharded(model: nn.Module, quantities: list) -> bool:
     """Whether ``model``'s parameters are sharded by FSDP (``fully_shard``); refuse the
-    quantities that need whole parameters, and FullyShardedDataParallel (FSDP1)."""
+    quantities that need whole parameters or the mean gradient per coordinate, and
+    FullyShardedDataParallel (FSDP1)."""
     from torch.distributed.tensor import DTensor
 
     _refuse_fsdp1(model)
@@ -342,19 +404,6 @@ def sharded(model: nn.Module, quantities: list) -> bool:
     if not distributed:
         return False
     _check_fsdp_placements(model, distributed)
-    curvature = [q.name for q in quantities if q.create_graph]
-    if curvature:
-        raise TypeError(
-            f"Cockpit: the model's parameters are sharded by FSDP (fully_shard), and "
-            f"{', '.join(curvature)} differentiate the step's gradient again through its "
-            "graph, which holds the layers' unsharded parameters that FSDP frees after the "
-            "backward: the cockpit makes no Hessian-vector product under fully_shard (one is "
-            "exact only while FSDP keeps them, set_reshard_after_backward(False), which holds "
-            "the whole model on every process: docs/cockpit.md). Leave "
-            "them out (configuration('transformer') without PreconditionedSharpness), "
-            "train under DistributedDataParallel, or measure the curvature apart with "
-            "avionics.curvature's operators (distributed=True) on an unsharded copy."
-        )
     unsupported = [q.name for q in quantities if q.name not in SHARDED_QUANTITIES]
     if unsupported:
         raise TypeError(
@@ -380,7 +429,8 @@ def _refuse_fsdp1(model: nn.Module) -> None:
             "with use_orig_params=True its parameters keep their names, but each process's "
             "part of one is a piece of a flattened shard cut across parameters (a parameter "
             "may have no element on a process, and its gradient is None there), not rows "
-            "of it"
+            "of it: a direction, a gradient or a parameter would have to be gathered by "
+            "FSDP1's private flat-parameter offsets"
         )
     else:
         why = "its flattened parameters have no names of the model's"

@@ -70,6 +70,7 @@ def ggn_diagonal(
     mc_samples: int | None = None,
     generator: torch.Generator | None = None,
     traces: bool = False,
+    rows: tuple[int, int] | None = None,
 ) -> list[Tensor]:
     """Exact (``mc_samples=None``) or Monte-Carlo diagonal of the GGN of the mean loss, or with
     ``traces`` only its sum per parameter, sum_d G_dd (0-dim tensors).
@@ -83,6 +84,10 @@ def ggn_diagonal(
     :data:`COLUMN_GROUP` columns in one batched backward; the squared per-sample gradients are
     summed over columns by :class:`_ColumnSums`. The traces need only the per-sample squared norms
     ||J_n^T S_n e_j||^2, which Linear layers without shared axes have in closed form.
+
+    ``rows`` = (start, N): the samples are rows [start, start + n) of a global batch of N
+    (data parallelism); the Monte-Carlo draws z are then the global batch's, these rows of
+    them, so that the processes' diagonals, N_r / N-weighted, add to one process's.
     """
     root = _root_call(model, calls, len(individual_losses))
     n = len(individual_losses)
@@ -96,7 +101,9 @@ def ggn_diagonal(
     if mc_samples is None:
         columns = root_of.columns()
     else:
-        z = torch.randn(mc_samples, n, m, generator=generator, dtype=u.dtype, device="cpu")
+        start, total = rows or (0, n)
+        z = torch.randn(mc_samples, total, m, generator=generator, dtype=u.dtype, device="cpu")
+        z = z[:, start : start + n]
         columns = (root_of(zk) for zk in z.to(u.device))
     sums = _ColumnSums(engine, calls, params, n, traces, root)
     moved_shape = (n, *(s for a, s in enumerate(out_shape) if a != root.batch_axis))
