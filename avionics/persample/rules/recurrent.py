@@ -84,8 +84,9 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
     fused = module.mode != "GRU"
 
     taps: list[Tensor] = []  # the tensors whose gradients are da and dc
-    # weight -> (its input, its taps, whether its delta is the taps' reversed in time)
-    pairs: dict[str, tuple[Tensor, list[Tensor], bool]] = {}
+    # weight -> (its input, its tap [T, N, F] or one tap per step [N, F] (a GRU's c_t),
+    # whether its delta is the taps' reversed in time)
+    pairs: dict[str, tuple[Tensor, Tensor | list[Tensor], bool]] = {}
     finals, final_cells, layer_input = [], [], x
     for layer in range(module.num_layers):
         outputs = []
@@ -119,9 +120,9 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
             finals.append(h)
             final_cells.append(cell)
             taps += [a, *cs]
-            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), [a], False)
+            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), a, False)
             # h_{t-1} in the order the steps were visited (reversed in time for direction 1)
-            hh_taps, reversed_time = (cs, False) if not fused else ([a], bool(direction))
+            hh_taps, reversed_time = (cs, False) if not fused else (a, bool(direction))
             pairs[f"weight_hh{suffix}"] = (torch.stack(previous).detach(), hh_taps, reversed_time)
         layer_input = torch.cat(outputs, -1)
 
@@ -132,8 +133,10 @@ def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, T
     factors = {}
     for name, (inp, weight_taps, reversed_time) in pairs.items():
         # c_t are stacked in the order the steps were visited, like their inputs h_{t-1}
-        deltas = [by_tap[id(t)] for t in weight_taps]
-        delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas)
+        if isinstance(weight_taps, list):
+            delta = torch.stack([by_tap[id(t)] for t in weight_taps])
+        else:
+            delta = by_tap[id(weight_taps)]
         delta = delta.flip(0) if reversed_time else delta
         factors[name] = (_per_sample(inp), _per_sample(delta))
     return factors
