@@ -46,7 +46,7 @@ class RecurrentRule(FactoredWeights, Rule):
         factors: dict[str, list[tuple[Tensor, Tensor]]] = {}
         for call in calls:
             rerun = ReRun(module, call, n)
-            for name, (x, delta) in rerun.factors([rerun.output_gradients(call)]).items():
+            for name, (x, delta) in rerun.factors([output_gradients(module, call)]).items():
                 factors.setdefault(name, []).append((_per_sample(x), _per_sample(delta[0])))
         self.factors = {
             name: (
@@ -169,16 +169,9 @@ class ReRun:
         c_n = hidden[1] if module.mode == "LSTM" else None
         return out, hidden[0], c_n
 
-    def output_gradients(self, call) -> list[Tensor]:
-        """The call's captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and
-        padded."""
-        return _output_gradients(
-            self.module, call, self.packed, self.steps, len(self.results) == 3
-        )
-
     def factors(self, columns: list[list[Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
         """(x [T, N, I], delta [K, T, N, O]) of every weight for K = len(``columns``) output
-        gradients (each as :meth:`output_gradients` gives them), copy j of the batch taking
+        gradients (each as :func:`output_gradients` gives them), copy j of the batch taking
         column j."""
         k, copies = len(columns), self.copies
         if k != copies:
@@ -274,11 +267,13 @@ def _initial_state(module: nn.RNNBase, call, x: Tensor, n: int):
     return h0.detach(), None if c0 is None else c0.detach()
 
 
-def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[Tensor]:
-    """The captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and padded."""
-    count = len(call.outputs)
+def output_gradients(module: nn.RNNBase, call) -> list[Tensor]:
+    """The call's captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and
+    padded (in float32 or better)."""
+    count, packed = len(call.outputs), call.args[0]
     d_out = output_gradient(call, 0)
-    if packed is not None:
+    if isinstance(packed, PackedSequence):
+        steps = len(packed.batch_sizes)
         d_out = pad_packed_sequence(
             PackedSequence(
                 d_out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
@@ -287,8 +282,8 @@ def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[T
         )[0]
     elif module.batch_first:
         d_out = d_out.transpose(0, 1)
-    states = [count - 2, count - 1] if is_lstm else [count - 1]
-    return [d_out] + [output_gradient(call, i) for i in states]
+    states = [count - 2, count - 1] if module.mode == "LSTM" else [count - 1]
+    return [computing(g) for g in [d_out] + [output_gradient(call, i) for i in states]]
 
 
 # columns pending before they go back through one re-run together, and the bytes of one chunk
@@ -315,11 +310,10 @@ class RecurrentColumnSums(ColumnSums):
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
-        reruns = self._reruns(1)
         self.pending.append(
             [
-                computing_all(rerun.output_gradients(call.with_grad_outputs(outs)))
-                for rerun, call, outs in zip(reruns, self.calls, grad_outputs, strict=True)
+                output_gradients(self.module, call.with_grad_outputs(outs))
+                for call, outs in zip(self.calls, grad_outputs, strict=True)
             ]
         )
         if len(self.pending) == COLUMN_GROUP:
@@ -357,10 +351,6 @@ class RecurrentColumnSums(ColumnSums):
             self._reduce()
         return [self.totals[name].mul_(scale) if name in self.totals else None
                 for name in self.names]  # fmt: skip
-
-
-def computing_all(tensors: list[Tensor]) -> list[Tensor]:
-    return [computing(t) for t in tensors]
 
 
 def _weight_squares(x: Tensor, delta: Tensor) -> Tensor:
