@@ -198,7 +198,10 @@ class ReRun:
         if k != copies:
             raise ValueError(f"a re-run of {copies} copies takes {copies} columns, not {k}")
         grads = [torch.cat(g, 1) for g in zip(*columns, strict=True)] if k > 1 else columns[0]
-        found = torch.autograd.grad(self.results, self.taps, grads, allow_unused=True)
+        # (the graph kept: the column sums take every group of K columns through one re-run)
+        found = torch.autograd.grad(
+            self.results, self.taps, grads, retain_graph=True, allow_unused=True
+        )
         by_tap = [torch.zeros_like(t) if g is None else g for t, g in zip(self.taps, found)]
         n = self.taps[0].shape[1] // k
         factors = {}
