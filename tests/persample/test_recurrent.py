@@ -15,7 +15,7 @@ from test_engine import assert_exact, ce, engine_statistics
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from avionics.persample.rules import RecurrentRule, rule_for
+from avionics.persample.rules import RecurrentRule, recurrent, rule_for
 
 VARIANTS = [
     (kind, packed, batch_first)
@@ -149,3 +149,14 @@ def test_time_major_tokens_with_as_many_steps_as_samples(kind, packed, n):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert_exact(model, X, y, loss_fn)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_lstm_re_run_step_by_step_as_off_the_cpu(packed, monkeypatch):
+    """Off the CPU an LSTM's re-run is the loop of torch ops (PyTorch's kernel is taken on
+    the CPU only): that path, forced here, is exact too."""
+    monkeypatch.setattr(recurrent, "by_kernel", lambda module, x: False)
+    torch.manual_seed(5)
+    model = Stacked(nn.LSTM, packed).double()
+    X = torch.randn(3, 5, 3, dtype=torch.float64)
+    assert_exact(model, X, torch.randint(0, 2, (3,)), ce)

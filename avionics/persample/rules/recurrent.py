@@ -105,10 +105,7 @@ class ReRun:
         if lengths is not None:
             valid = torch.arange(self.steps, device=x.device)[:, None] < lengths.to(x.device)
         self.valid = valid
-        # PyTorch's CPU kernel is fused for the LSTM only; a GRU's or an RNN's is no faster
-        # there than a loop of torch ops over the steps (measured: the packed GRU's rule
-        # 1.6 ms by the loop, 2.1 ms by the kernel)
-        layer_of = self._kernel if module.mode == "LSTM" else self._stepped
+        layer_of = self._kernel if by_kernel(module, x) else self._stepped
         self.taps: list[Tensor] = []  # a of every layer and direction, [T, N, G H]
         # weight -> (its input [T, N, I], the index of its tap, the layer's GRU r_t or None)
         self.pairs: dict[str, tuple[Tensor, int, Tensor | None]] = {}
@@ -141,20 +138,29 @@ class ReRun:
                 self.results.append(torch.cat(final_cells))
 
     def _stepped(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
-        """One layer of a GRU or an RNN step by step (each direction), as :meth:`_kernel`."""
-        mode, h0 = self.module.mode, state[0]
-        outs, finals = [], []
+        """One layer step by step from torch ops (each direction), as :meth:`_kernel`."""
+        mode, (h0, c0) = self.module.mode, state
+        lstm = mode == "LSTM"
+        outs, finals, cells = [], [], []
         for d, (a_d, (w_hh, b_hh)) in enumerate(zip(a, recurrent, strict=True)):
-            h, out = h0[d], [None] * self.steps
+            h, cell, out = h0[d], c0[d] if lstm else None, [None] * self.steps
             for t in range(self.steps - 1, -1, -1) if d else range(self.steps):
                 c = F.linear(h, w_hh, b_hh)
-                new = _gru_cell(a_d[t], c, h) if mode == "GRU" else _ACTIVATIONS[mode](a_d[t] + c)
+                if mode == "GRU":
+                    new, new_cell = _gru_cell(a_d[t], c, h), None
+                else:
+                    new, new_cell = _fused_cell(mode, a_d[t] + c, cell)
                 if self.valid is not None:
                     new = torch.where(self.valid[t, :, None], new, h)
-                h = out[t] = new
+                    if lstm:
+                        new_cell = torch.where(self.valid[t, :, None], new_cell, cell)
+                h, cell = new, new_cell
+                out[t] = h
             outs.append(torch.stack(out))
             finals.append(h)
-        return torch.cat(outs, -1), torch.stack(finals), None
+            cells.append(cell)
+        c_n = torch.stack(cells) if lstm else None
+        return torch.cat(outs, -1), torch.stack(finals), c_n
 
     def _kernel(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
         """One layer (both directions) by PyTorch's kernel on input cat(a): (output
@@ -214,7 +220,14 @@ class ReRun:
         return factors
 
 
-_ACTIVATIONS = {"RNN_TANH": torch.tanh, "RNN_RELU": torch.relu}
+def by_kernel(module: nn.RNNBase, x: Tensor) -> bool:
+    """Whether the re-run takes PyTorch's kernel (else a loop of torch ops over the steps):
+    for an LSTM on the CPU, where the kernel is fused. A GRU's or an RNN's CPU kernel is no
+    faster than the loop (the packed GRU's rule 1.8 ms by the loop, 2.1 ms by the kernel,
+    measured); on a GPU cuDNN wants its weights in one flat buffer, and was not measured."""
+    return module.mode == "LSTM" and x.device.type == "cpu"
+
+
 _KERNELS = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}
 
 
@@ -398,3 +411,13 @@ def _gru_cell(a: Tensor, c: Tensor, h: Tensor) -> Tensor:
     hidden = h.shape[-1]
     r, z = torch.sigmoid(a[..., : 2 * hidden] + c[..., : 2 * hidden]).chunk(2, -1)
     return torch.lerp(torch.tanh(a[..., 2 * hidden :] + r * c[..., 2 * hidden :]), h, z)
+
+
+def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
+    """One step of PyTorch's LSTM or RNN (torch.nn.LSTM / RNN docs) from gates = a + c and the
+    cell (LSTM): (h', cell')."""
+    if mode == "LSTM":
+        i, f, g, o = gates.chunk(4, -1)
+        new_cell = torch.addcmul(torch.sigmoid(f) * cell, torch.sigmoid(i), torch.tanh(g))
+        return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
+    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
