@@ -11,10 +11,13 @@ RNN docs; a GRU's candidate gate uses r_t * c_t). So for sample n
     grad W_hh = sum_t dc_{n,t} h_{n,t-1}^T,     grad b_hh = sum_t dc_{n,t},
 
 the bilinear forms of :mod:`avionics.persample.rules.bilinear` (T shared positions). The
-gradients da, dc are one vector-Jacobian product of the recurrence rebuilt from torch ops on
-the captured input, initial state and output gradients: a loop over time steps, batched over
-the samples (no per-sample loop). For a PackedSequence each sample's steps beyond its length
-leave its state unchanged, which is what the packed kernel computes.
+gradients da, dc are one vector-Jacobian product of the recurrence re-run on the captured
+input, initial state and output gradients, batched over the samples (no per-sample loop)
+(:class:`ReRun`): an LSTM on the CPU by PyTorch's fused kernel fed a through identity input
+weights, else a loop of torch ops over the time steps. For a PackedSequence each sample's
+steps beyond its length leave its state unchanged, which is what the packed kernel computes.
+The GGN diagonal's columns go back through one re-run a group at a time
+(:class:`RecurrentColumnSums`).
 """
 
 from __future__ import annotations
