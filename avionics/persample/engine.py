@@ -26,6 +26,7 @@ import warnings
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils.rnn import PackedSequence
 
 from avionics.persample.calls import ModuleCall
 from avionics.persample.capture import Capture, at_least_float32, batch_axes
@@ -226,7 +227,9 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
     """Correct the batch axis of each call whose first input does not have the ``n`` samples
     on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
     (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN; a
-    head's [N, D] input below a root with ``batch_first=False``).
+    head's [N, D] input below a root with ``batch_first=False``), and of each call whose
+    first input has N entries on several axes (time-major [T, N] with T == N) by the call
+    that reads its output or shares its input (:func:`_propagated_axes`).
 
     Never for a call found shared by all samples (:attr:`ModuleCall.shared`), nor for a
     first input of size 1 on the inherited axis where the model's input has the batch there:
@@ -234,14 +237,78 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
     position ids [1, T] with T == N are shared, not a batch on axis 1)."""
     root_calls = calls.get(root, [])
     batch_where_inherited = bool(root_calls) and all(c.carries_batch(n) for c in root_calls)
+    ambiguous = []
     for module_calls in calls.values():
         for call in module_calls:
-            if call.carries_batch(n) or not call.inputs or call.shared:
+            if not call.inputs or call.shared:
                 continue
             shape = call.inputs[0].shape
+            axes = [a for a, size in enumerate(shape) if size == n]
+            if len(axes) > 1 and not isinstance(getattr(call.module, "batch_first", None), bool):
+                ambiguous.append((call, axes))
+                continue
+            if call.carries_batch(n):
+                continue
             broadcast = len(shape) > call.batch_axis and shape[call.batch_axis] == 1
             if broadcast and batch_where_inherited:
                 continue
-            axes = [a for a, size in enumerate(shape) if size == n]
             if len(axes) == 1:
                 call.batch_axis = axes[0]
+    if ambiguous:
+        _propagated_axes(calls, ambiguous)
+
+
+def _propagated_axes(calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]]) -> None:
+    """The batch axis of calls whose first input has N entries on several ``axes``, from the
+    calls whose axis is known, until nothing changes: a call whose output is the first input
+    of a known call (directly, or packed by ``pack_padded_sequence``, whose ``batch_first``
+    autograd keeps) and whose output keeps its input's leading axes takes that input's axis
+    (an nn.Embedding of time-major token ids before a batch_first=False RNN); a call whose
+    first input is a known call's first input takes its axis (the root and that embedding).
+    A call left undecided keeps its inherited axis."""
+    pending = {id(call): (call, axes) for call, axes in ambiguous}
+    known = [c for cs in calls.values() for c in cs if id(c) not in pending and c.inputs]
+    while pending and known:
+        found = []
+        for reader in known:
+            into, axis = _producer_node(reader)
+            for key, (call, axes) in list(pending.items()):
+                same_input = call.inputs[0] is reader.inputs[0]
+                if same_input and reader.batch_axis in axes:
+                    call.batch_axis = reader.batch_axis
+                elif into is not None and axis in axes and _keeps_leading_axes(call, into, axis):
+                    call.batch_axis = axis
+                else:
+                    continue
+                found.append(pending.pop(key)[0])
+        known = found
+
+
+def _producer_node(call: ModuleCall) -> tuple[object | None, int]:
+    """(the autograd node that produced the call's first input, the batch axis of that
+    node's output): through ``pack_padded_sequence`` (and its sorting ``index_select``) for a
+    PackedSequence."""
+    first = call.args[0] if call.args else None
+    if isinstance(first, PackedSequence):
+        node = first.data.grad_fn
+        if node is None or type(node).__name__ != "PackPaddedSequenceBackward0":
+            return None, 0
+        axis = 0 if node._saved_batch_first else 1
+        node = node.next_functions[0][0]
+        if node is not None and type(node).__name__ == "IndexSelectBackward0":
+            node = node.next_functions[0][0]
+        return node, axis
+    grad_fn = call.inputs[0].grad_fn
+    return grad_fn, call.batch_axis
+
+
+def _keeps_leading_axes(call: ModuleCall, node, axis: int) -> bool:
+    """Whether ``node`` produced an output of ``call`` that has the call's first input's
+    sizes on axes 0..``axis`` (an embedding, a Linear or an elementwise module)."""
+    shape = call.inputs[0].shape
+    for produced, i in zip(call.nodes, call.node_outputs, strict=True):
+        out = call.outputs[i].shape
+        ours = not isinstance(produced, Tensor) and produced[0] is node
+        if ours and len(out) > axis and out[: axis + 1] == shape[: axis + 1]:
+            return True
+    return False

@@ -15,7 +15,7 @@ from test_engine import assert_exact, ce, engine_statistics
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
-from avionics.persample.rules import RecurrentRule, rule_for
+from avionics.persample.rules import RecurrentRule, recurrent, rule_for
 
 VARIANTS = [
     (kind, packed, batch_first)
@@ -125,3 +125,38 @@ def test_dropout_between_layers_in_train_mode_is_not_rerun():
     lstm = nn.LSTM(3, 4, num_layers=2, dropout=0.5)
     assert rule_for(lstm, ["weight_ih_l0"]) is not RecurrentRule
     assert rule_for(lstm.eval(), ["weight_ih_l0"]) is RecurrentRule
+
+
+@pytest.mark.parametrize(("kind", "packed", "batch_first"), VARIANTS)
+def test_sequences_of_one_step(kind, packed, batch_first):
+    """T = 1: a GRU's per-step gradients c_t are stacked into [1, N, 3 H] (they were taken
+    as [N, 3 H], and its re-run crashed)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_exact(*real_models.recurrent(kind, packed, batch_first, n=4, t=1))
+
+
+@pytest.mark.parametrize("n", [4, 5])
+@pytest.mark.parametrize(
+    ("kind", "packed"), [(k, p) for k in ("lstm", "gru", "rnn") for p in (0, 1)]
+)
+def test_time_major_tokens_with_as_many_steps_as_samples(kind, packed, n):
+    """Time-major token ids [T, N] with T == N below a root without ``batch_first``: the
+    embedding's (and the root's) batch axis is the one the batch_first=False RNN reads, axis
+    1, found through the graph (through pack_padded_sequence for a PackedSequence), not the
+    inherited axis 0 (which gave the embedding wrong per-sample gradients)."""
+    model, X, y, loss_fn = real_models.recurrent(kind, bool(packed), False, n=n, t=n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_exact(model, X, y, loss_fn)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_an_lstm_re_run_step_by_step_as_off_the_cpu(packed, monkeypatch):
+    """Off the CPU an LSTM's re-run is the loop of torch ops (PyTorch's kernel is taken on
+    the CPU only): that path, forced here, is exact too."""
+    monkeypatch.setattr(recurrent, "by_kernel", lambda module, x: False)
+    torch.manual_seed(5)
+    model = Stacked(nn.LSTM, packed).double()
+    X = torch.randn(3, 5, 3, dtype=torch.float64)
+    assert_exact(model, X, torch.randint(0, 2, (3,)), ce)

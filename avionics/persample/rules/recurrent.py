@@ -11,21 +11,24 @@ RNN docs; a GRU's candidate gate uses r_t * c_t). So for sample n
     grad W_hh = sum_t dc_{n,t} h_{n,t-1}^T,     grad b_hh = sum_t dc_{n,t},
 
 the bilinear forms of :mod:`avionics.persample.rules.bilinear` (T shared positions). The
-gradients da, dc are one vector-Jacobian product of the recurrence rebuilt from torch ops on
-the captured input, initial state and output gradients: a loop over time steps, batched over
-the samples (no per-sample loop). For a PackedSequence each sample's steps beyond its length
-leave its state unchanged, which is what the packed kernel computes.
+gradients da, dc are one vector-Jacobian product of the recurrence re-run on the captured
+input, initial state and output gradients, batched over the samples (no per-sample loop)
+(:class:`ReRun`): an LSTM on the CPU by PyTorch's fused kernel fed a through identity input
+weights, else a loop of torch ops over the time steps. For a PackedSequence each sample's
+steps beyond its length leave its state unchanged, which is what the packed kernel computes.
+The GGN diagonal's columns go back through one re-run a group at a time
+(:class:`RecurrentColumnSums`).
 """
 
 from __future__ import annotations
 
 import torch
-from torch import Tensor, nn
+from torch import _VF, Tensor, nn
 from torch.nn import functional as F
-from torch.nn.utils.rnn import PackedSequence, pad_packed_sequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from avionics.persample.precision import computing
-from avionics.persample.rules.base import Rule, output_gradient
+from avionics.persample.rules.base import ColumnSums, Rule, output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
 # The recurrent modules whose own forward the rule re-runs (subclasses may change it).
@@ -44,10 +47,10 @@ class RecurrentRule(FactoredWeights, Rule):
         super().__init__(module, calls, names, n, output_gradient_factor)
         # factors[name]: (x [N, 1, T, I], delta [N, 1, T, O]) over the calls, T concatenated
         factors: dict[str, list[tuple[Tensor, Tensor]]] = {}
-        with torch.enable_grad():
-            for call in calls:
-                for name, pair in _call_factors(module, call, n).items():
-                    factors.setdefault(name, []).append(pair)
+        for call in calls:
+            rerun = ReRun(module, call, n)
+            for name, (x, delta) in rerun.factors([output_gradients(module, call)]).items():
+                factors.setdefault(name, []).append((_per_sample(x), _per_sample(delta[0])))
         self.factors = {
             name: (
                 torch.cat([x for x, _ in pairs], 2),
@@ -69,74 +72,187 @@ class RecurrentRule(FactoredWeights, Rule):
     def is_weight(name: str) -> bool:
         return name.startswith("weight")
 
+    @classmethod
+    def column_sums(cls, module, calls, names, n, traces):
+        """A group of columns through one re-run of each call (:class:`RecurrentColumnSums`)."""
+        return RecurrentColumnSums(module, calls, names, n, traces)
 
-def _call_factors(module: nn.RNNBase, call, n: int) -> dict[str, tuple[Tensor, Tensor]]:
-    """(x, delta) of every weight of ``module`` for one call, each [N, 1, T, features]."""
-    x, packed = _time_major_input(module, call)
-    steps, is_lstm = x.shape[0], module.mode == "LSTM"
-    lengths = None if packed is None else _lengths(packed).to(x.device)
-    # valid[t, n]: step t is within sample n's sequence (a packed sample stops at its length)
-    valid = None if lengths is None else torch.arange(steps, device=x.device)[:, None] < lengths
-    h0, c0 = _initial_state(module, call, x, n)
-    directions = 2 if module.bidirectional else 1
-    # An LSTM's and an RNN's step reads a_t and c_t only through a_t + c_t, so dc_t = da_t:
-    # only a is tapped. A GRU's candidate gate reads r_t * c_t: its c_t are tapped too.
-    fused = module.mode != "GRU"
 
-    taps: list[Tensor] = []  # the tensors whose gradients are da and dc
-    # weight -> (its input, its taps, whether its delta is the taps' reversed in time)
-    pairs: dict[str, tuple[Tensor, list[Tensor], bool]] = {}
-    finals, final_cells, layer_input = [], [], x
-    for layer in range(module.num_layers):
-        outputs = []
-        for direction in range(directions):
-            suffix = f"_l{layer}" + ("_reverse" if direction else "")
-            w_ih, w_hh, b_ih, b_hh = _weights(module, suffix)
-            k = layer * directions + direction
-            h, cell = h0[k], c0[k] if is_lstm else None
-            a = _tap(F.linear(layer_input, w_ih, b_ih))  # [T, N, G H], all steps at once
-            # a_t + c_t = (a_t + b_hh) + h_{t-1} W_hh^T: one addmm a step
-            a_b, w_hh_t = (a if b_hh is None or not fused else a + b_hh), w_hh.t()
-            out: list[Tensor | None] = [None] * steps
-            previous, cs = [], []
-            for t in range(steps - 1, -1, -1) if direction else range(steps):
-                previous.append(h)
-                if fused:
-                    h_new, cell_new = _fused_cell(
-                        module.mode, torch.addmm(a_b[t], h, w_hh_t), cell
-                    )
+class ReRun:
+    """One call's recurrence re-run on its captured input and initial state, its graph kept:
+    each layer and direction by PyTorch's own kernel (``torch._VF``: the fused LSTM kernel on
+    the CPU) fed a = W_ih x + b_ih through identity input weights, so that the gradient at
+    its input is da; the gradients of K columns at once by ``copies = K`` copies of the batch
+    (sample n of copy j at n + j N).
+
+    For the W_hh factors, h_{t-1} of every step is read off the layer's output (h0 where the
+    step is a sample's first in its direction), and dc = da for an LSTM and an RNN (their
+    gates read a_t + c_t); a GRU's candidate gate reads r_t * c_t, so there
+    dc = [da_r, da_z, r_t * da_n] with r_t = sigmoid(a_r + c_r) formed for all steps at once.
+    """
+
+    def __init__(self, module: nn.RNNBase, call, n: int, copies: int = 1):
+        self.module = module
+        x, self.packed = _time_major_input(module, call)
+        self.steps, self.copies = x.shape[0], copies
+        lengths = None if self.packed is None else _lengths(self.packed)
+        h0, c0 = _initial_state(module, call, x, n)
+        if copies > 1:
+            x, h0 = x.repeat(1, copies, 1), h0.repeat(1, copies, 1)
+            c0 = None if c0 is None else c0.repeat(1, copies, 1)
+            lengths = None if lengths is None else lengths.repeat(copies)
+        self.lengths = lengths
+        directions = 2 if module.bidirectional else 1
+        # valid[t, n]: step t is within sample n's sequence
+        valid = None
+        if lengths is not None:
+            valid = torch.arange(self.steps, device=x.device)[:, None] < lengths.to(x.device)
+        self.valid = valid
+        layer_of = self._kernel if by_kernel(module, x) else self._stepped
+        self.taps: list[Tensor] = []  # a of every layer and direction, [T, N, G H]
+        # weight -> (its input [T, N, I], the index of its tap, the layer's GRU r_t or None)
+        self.pairs: dict[str, tuple[Tensor, int, Tensor | None]] = {}
+        finals, final_cells, layer_input = [], [], x
+        with torch.enable_grad():
+            for layer in range(module.num_layers):
+                ks = [layer * directions + d for d in range(directions)]
+                weights = [_weights(module, _suffix(layer, d)) for d in range(directions)]
+                a = [_tap(F.linear(layer_input, w_ih, b_ih)) for w_ih, _, b_ih, _ in weights]
+                state = (h0[ks], None if c0 is None else c0[ks])
+                out, h_n, c_n = layer_of(a, [(w, b) for _, w, _, b in weights], state)
+                for d, k in enumerate(ks):
+                    suffix, (_, w_hh, _, b_hh) = _suffix(layer, d), weights[d]
+                    hidden = module.hidden_size
+                    previous = _previous(out[..., d * hidden : (d + 1) * hidden], h0[k], d, valid)
+                    r = None
+                    if module.mode == "GRU":
+                        c_r = F.linear(
+                            previous, w_hh[:hidden], None if b_hh is None else b_hh[:hidden]
+                        )
+                        r = torch.sigmoid(a[d].detach()[..., :hidden] + c_r)
+                    self.pairs[f"weight_ih{suffix}"] = (layer_input.detach(), len(self.taps), None)
+                    self.pairs[f"weight_hh{suffix}"] = (previous.detach(), len(self.taps), r)
+                    self.taps.append(a[d])
+                finals.append(h_n)
+                final_cells.append(c_n)
+                layer_input = out
+            self.results = [layer_input, torch.cat(finals)]
+            if module.mode == "LSTM":
+                self.results.append(torch.cat(final_cells))
+
+    def _stepped(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
+        """One layer step by step from torch ops (each direction), as :meth:`_kernel`."""
+        mode, (h0, c0) = self.module.mode, state
+        lstm = mode == "LSTM"
+        outs, finals, cells = [], [], []
+        for d, (a_d, (w_hh, b_hh)) in enumerate(zip(a, recurrent, strict=True)):
+            h, cell, out = h0[d], c0[d] if lstm else None, [None] * self.steps
+            for t in range(self.steps - 1, -1, -1) if d else range(self.steps):
+                c = F.linear(h, w_hh, b_hh)
+                if mode == "GRU":
+                    new, new_cell = _gru_cell(a_d[t], c, h), None
                 else:
-                    c = _tap(F.linear(h, w_hh, b_hh))
-                    cs.append(c)
-                    h_new, cell_new = _gru_cell(a[t], c, h), None
-                if valid is not None:
-                    h_new = torch.where(valid[t, :, None], h_new, h)
-                    if is_lstm:
-                        cell_new = torch.where(valid[t, :, None], cell_new, cell)
-                h, cell = h_new, cell_new
+                    new, new_cell = _fused_cell(mode, a_d[t] + c, cell)
+                if self.valid is not None:
+                    new = torch.where(self.valid[t, :, None], new, h)
+                    if lstm:
+                        new_cell = torch.where(self.valid[t, :, None], new_cell, cell)
+                h, cell = new, new_cell
                 out[t] = h
-            outputs.append(torch.stack(out))
+            outs.append(torch.stack(out))
             finals.append(h)
-            final_cells.append(cell)
-            taps += [a, *cs]
-            pairs[f"weight_ih{suffix}"] = (layer_input.detach(), [a], False)
-            # h_{t-1} in the order the steps were visited (reversed in time for direction 1)
-            hh_taps, reversed_time = (cs, False) if not fused else ([a], bool(direction))
-            pairs[f"weight_hh{suffix}"] = (torch.stack(previous).detach(), hh_taps, reversed_time)
-        layer_input = torch.cat(outputs, -1)
+            cells.append(cell)
+        c_n = torch.stack(cells) if lstm else None
+        return torch.cat(outs, -1), torch.stack(finals), c_n
 
-    results = [layer_input, torch.stack(finals)] + ([torch.stack(final_cells)] if is_lstm else [])
-    gradients = _output_gradients(module, call, packed, steps, is_lstm)
-    grads = torch.autograd.grad(results, taps, gradients, allow_unused=True)
-    by_tap = {id(t): torch.zeros_like(t) if g is None else g for t, g in zip(taps, grads)}
-    factors = {}
-    for name, (inp, weight_taps, reversed_time) in pairs.items():
-        # c_t are stacked in the order the steps were visited, like their inputs h_{t-1}
-        deltas = [by_tap[id(t)] for t in weight_taps]
-        delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas)
-        delta = delta.flip(0) if reversed_time else delta
-        factors[name] = (_per_sample(inp), _per_sample(delta))
-    return factors
+    def _kernel(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
+        """One layer (both directions) by PyTorch's kernel on input cat(a): (output
+        [T, N, D H] padded, h_n [D, N, H], c_n or None), in the batch's order."""
+        module, h0, c0 = self.module, *state
+        width = a[0].shape[-1]
+        directions = len(a)
+        params = []
+        for d, (w_hh, b_hh) in enumerate(recurrent):
+            # identity input weights on this direction's block of the input
+            w_ih = a[0].new_zeros(width, directions * width)
+            w_ih[:, d * width : (d + 1) * width] = torch.eye(width, dtype=w_ih.dtype)
+            params += [w_ih, w_hh, a[0].new_zeros(width), _bias_or_zeros(b_hh, width, a[0])]
+        inp = a[0] if directions == 1 else torch.cat(a, -1)
+        kernel = _KERNELS[module.mode]
+        bidirectional = directions == 2
+        if self.packed is None:
+            hx = (h0, c0) if module.mode == "LSTM" else h0
+            result = kernel(inp, hx, params, True, 1, 0.0, False, bidirectional, False)
+            out, hidden = result[0], result[1:]
+        else:
+            packed = pack_padded_sequence(inp, self.lengths.cpu(), enforce_sorted=False)
+            order, back = packed.sorted_indices, packed.unsorted_indices
+            hx = (h0[:, order], c0[:, order]) if module.mode == "LSTM" else h0[:, order]
+            result = kernel(
+                packed.data, packed.batch_sizes, hx, params, True, 1, 0.0, False, bidirectional
+            )
+            out = pad_packed_sequence(
+                PackedSequence(result[0], packed.batch_sizes, order, back),
+                total_length=self.steps,
+            )[0]
+            hidden = [h[:, back] for h in result[1:]]
+        c_n = hidden[1] if module.mode == "LSTM" else None
+        return out, hidden[0], c_n
+
+    def factors(self, columns: list[list[Tensor]]) -> dict[str, tuple[Tensor, Tensor]]:
+        """(x [T, N, I], delta [K, T, N, O]) of every weight for K = len(``columns``) output
+        gradients (each as :func:`output_gradients` gives them), copy j of the batch taking
+        column j."""
+        k, copies = len(columns), self.copies
+        if k != copies:
+            raise ValueError(f"a re-run of {copies} copies takes {copies} columns, not {k}")
+        grads = [torch.cat(g, 1) for g in zip(*columns, strict=True)] if k > 1 else columns[0]
+        # (the graph kept: the column sums take every group of K columns through one re-run)
+        found = torch.autograd.grad(
+            self.results, self.taps, grads, retain_graph=True, allow_unused=True
+        )
+        by_tap = [torch.zeros_like(t) if g is None else g for t, g in zip(self.taps, found)]
+        n = self.taps[0].shape[1] // k
+        factors = {}
+        for name, (inp, tap, r) in self.pairs.items():
+            delta = by_tap[tap]
+            if r is not None:  # (a GRU's W_hh: dc_n = r_t * da_n)
+                hidden = r.shape[-1]
+                delta = torch.cat([delta[..., : 2 * hidden], r * delta[..., 2 * hidden :]], -1)
+            factors[name] = (inp[:, :n], delta.unflatten(1, (k, n)).movedim(1, 0))
+        return factors
+
+
+def by_kernel(module: nn.RNNBase, x: Tensor) -> bool:
+    """Whether the re-run takes PyTorch's kernel (else a loop of torch ops over the steps):
+    for an LSTM on the CPU, where the kernel is fused. A GRU's or an RNN's CPU kernel is no
+    faster than the loop (the packed GRU's rule 1.8 ms by the loop, 2.1 ms by the kernel,
+    measured); on a GPU cuDNN wants its weights in one flat buffer, and was not measured."""
+    return module.mode == "LSTM" and x.device.type == "cpu"
+
+
+_KERNELS = {"LSTM": _VF.lstm, "GRU": _VF.gru, "RNN_TANH": _VF.rnn_tanh, "RNN_RELU": _VF.rnn_relu}
+
+
+def _suffix(layer: int, direction: int) -> str:
+    return f"_l{layer}" + ("_reverse" if direction else "")
+
+
+def _bias_or_zeros(b: Tensor | None, width: int, like: Tensor) -> Tensor:
+    return like.new_zeros(width) if b is None else b
+
+
+def _previous(out: Tensor, h0: Tensor, direction: int, valid: Tensor | None) -> Tensor:
+    """h_{t-1} of every step t in the order of ``direction`` ([T, N, H]): the output of the
+    step before (after, for direction 1), h0 at a sample's first step."""
+    if direction == 0:
+        return torch.cat([h0[None], out[:-1]])
+    later = torch.cat([out[1:], h0[None]])
+    if valid is None:
+        return later
+    # (a packed sample's reverse pass starts at its last step: h0 there)
+    first = valid & ~torch.cat([valid[1:], torch.zeros_like(valid[:1])])
+    return torch.where(first[..., None], h0, later)
 
 
 def _per_sample(t: Tensor) -> Tensor:
@@ -192,11 +308,13 @@ def _initial_state(module: nn.RNNBase, call, x: Tensor, n: int):
     return h0.detach(), None if c0 is None else c0.detach()
 
 
-def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[Tensor]:
-    """The captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and padded."""
-    count = len(call.outputs)
+def output_gradients(module: nn.RNNBase, call) -> list[Tensor]:
+    """The call's captured gradients of (output [T, N, D H], h_n[, c_n]), time-major and
+    padded (in float32 or better)."""
+    count, packed = len(call.outputs), call.args[0]
     d_out = output_gradient(call, 0)
-    if packed is not None:
+    if isinstance(packed, PackedSequence):
+        steps = len(packed.batch_sizes)
         d_out = pad_packed_sequence(
             PackedSequence(
                 d_out, packed.batch_sizes, packed.sorted_indices, packed.unsorted_indices
@@ -205,20 +323,89 @@ def _output_gradients(module, call, packed, steps: int, is_lstm: bool) -> list[T
         )[0]
     elif module.batch_first:
         d_out = d_out.transpose(0, 1)
-    states = [count - 2, count - 1] if is_lstm else [count - 1]
-    return [d_out] + [output_gradient(call, i) for i in states]
+    states = [count - 2, count - 1] if module.mode == "LSTM" else [count - 1]
+    return [computing(g) for g in [d_out] + [output_gradient(call, i) for i in states]]
 
 
-def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
-    """One step of PyTorch's LSTM or RNN (torch.nn.LSTM / RNN docs) from gates = a + c and the
-    cell (LSTM): (h', cell'); an LSTM's gate nonlinearities in one sigmoid of all 4H gates
-    (the cell gate's sigmoid unused) and one tanh."""
-    if mode == "LSTM":
-        i, f, _, o = torch.sigmoid(gates).chunk(4, -1)
-        g = torch.tanh(gates.chunk(4, -1)[2])
-        new_cell = torch.addcmul(f * cell, i, g)
-        return o * torch.tanh(new_cell), new_cell
-    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
+# columns pending before they go back through one re-run together, and the bytes of one chunk
+# of per-sample, per-column gradients [c, K, O, I]
+COLUMN_GROUP = 16
+CHUNK_BYTES = 2**24
+
+
+class RecurrentColumnSums(ColumnSums):
+    """sum over columns j of sum_n G^j_n^2 (or its sum, with ``traces``) for the parameters
+    ``names`` of a recurrent module (:meth:`Rule.column_sums
+    <avionics.persample.rules.base.Rule.column_sums>`): G^j_n(W_ih) = sum_t da^j_{n,t}
+    x_{n,t}^T, G^j_n(W_hh) = sum_t dc^j_{n,t} h_{n,t-1}^T, the biases sum_t da^j_{n,t} and
+    sum_t dc^j_{n,t}, over the calls' steps. A group of K columns goes back through one
+    :class:`ReRun` of each call on K copies of the batch (one forward and one backward of
+    PyTorch's kernel, not K), then each form is one product [c, K O, T] @ [c, T, I] for a
+    chunk of c samples, squared and summed over n and j."""
+
+    def __init__(self, module: nn.RNNBase, calls, names: list[str], n: int, traces: bool):
+        self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
+        self.pending: list[list[list[Tensor]]] = []  # per column, per call: output gradients
+        self.reruns: dict[int, list[ReRun]] = {}  # by the number of copies
+        self.totals: dict[str, Tensor] = {}
+
+    def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
+        """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
+        self.pending.append(
+            [
+                output_gradients(self.module, call.with_grad_outputs(outs))
+                for call, outs in zip(self.calls, grad_outputs, strict=True)
+            ]
+        )
+        if len(self.pending) == COLUMN_GROUP:
+            self._reduce()
+
+    def _reruns(self, copies: int) -> list[ReRun]:
+        if copies not in self.reruns:
+            self.reruns[copies] = [ReRun(self.module, c, self.n, copies) for c in self.calls]
+        return self.reruns[copies]
+
+    def _reduce(self) -> None:
+        """The pending columns' squared per-sample gradients, added to the totals."""
+        k, columns = len(self.pending), list(zip(*self.pending, strict=True))
+        self.pending = []
+        per_call = [
+            rerun.factors(list(call_columns))
+            for rerun, call_columns in zip(self._reruns(k), columns, strict=True)
+        ]
+        for name in self.names:
+            weight = "weight" + name[len("bias") :] if name.startswith("bias") else name
+            x = torch.cat([f[weight][0] for f in per_call], 0)  # [T, N, I]
+            delta = torch.cat([f[weight][1] for f in per_call], 1)  # [K, T, N, O]
+            if name.startswith("bias"):
+                self._add(name, delta.sum(1).square_().sum((0, 1)))
+            else:
+                self._add(name, _weight_squares(x, delta))
+
+    def _add(self, name: str, s: Tensor) -> None:
+        s = s.sum() if self.traces else s
+        self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        """``scale`` times the sums, one per name (None where no column arrived)."""
+        if self.pending:
+            self._reduce()
+        return [self.totals[name].mul_(scale) if name in self.totals else None
+                for name in self.names]  # fmt: skip
+
+
+def _weight_squares(x: Tensor, delta: Tensor) -> Tensor:
+    """sum_n sum_j G_{n,j}^2, G_{n,j} = sum_t delta_{j,t,n} x_{t,n}^T: a chunk of c samples
+    at a time, one product [c, K O, T] @ [c, T, I] -> [c, K, O, I]."""
+    k, t, n, o = delta.shape
+    step = max(1, CHUNK_BYTES // (k * o * x.shape[-1] * delta.element_size()))
+    total = None
+    for start in range(0, n, step):
+        d = delta[:, :, start : start + step].permute(2, 0, 3, 1).reshape(-1, k * o, t)
+        g = torch.bmm(d, x[:, start : start + step].movedim(1, 0))
+        s = g.square_().sum(0).unflatten(0, (k, o)).sum(0)
+        total = s if total is None else total.add_(s)
+    return total
 
 
 def _gru_cell(a: Tensor, c: Tensor, h: Tensor) -> Tensor:
@@ -227,3 +414,13 @@ def _gru_cell(a: Tensor, c: Tensor, h: Tensor) -> Tensor:
     hidden = h.shape[-1]
     r, z = torch.sigmoid(a[..., : 2 * hidden] + c[..., : 2 * hidden]).chunk(2, -1)
     return torch.lerp(torch.tanh(a[..., 2 * hidden :] + r * c[..., 2 * hidden :]), h, z)
+
+
+def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
+    """One step of PyTorch's LSTM or RNN (torch.nn.LSTM / RNN docs) from gates = a + c and the
+    cell (LSTM): (h', cell')."""
+    if mode == "LSTM":
+        i, f, g, o = gates.chunk(4, -1)
+        new_cell = torch.addcmul(torch.sigmoid(f) * cell, torch.sigmoid(i), torch.tanh(g))
+        return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
+    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
