@@ -82,11 +82,20 @@ LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.BatchNorm2d) + (
 @dataclass
 class Call:
     """One call of a parameterised layer: its input and the gradient of the mean loss with
-    respect to its output (set by the output's tensor hook during the backward)."""
+    respect to its output (set by the output's tensor hook during the backward); ``params``:
+    role ('weight', 'bias') -> parameter, the module's own weight and bias by default (an
+    attention's in-projection names its packed ones)."""
 
     module: nn.Module
     x: Tensor
     d: Tensor | None = None
+    params: dict[str, nn.Parameter] | None = None
+
+    def roles(self) -> dict[str, nn.Parameter]:
+        if self.params is not None:
+            return self.params
+        roles = {r: getattr(self.module, r, None) for r in ("weight", "bias")}
+        return {r: p for r, p in roles.items() if isinstance(p, nn.Parameter)}
 
 
 @dataclass
@@ -99,10 +108,18 @@ class Direction:
 
 
 class Capture:
-    """Forward hooks on every layer of ``LAYERS`` in ``model`` recording its calls."""
+    """Forward hooks on every layer of ``LAYERS`` in ``model`` recording its calls; each
+    ``nn.MultiheadAttention`` runs the floor's own self-attention (:func:`_self_attention`),
+    whose in-projection and out-projection are recorded as Linear calls; the root parameters
+    of :data:`ROOT_USES` models are recorded from the gradient of the child's input they are
+    added to (:class:`_RootUse`)."""
 
     def __init__(self, model: nn.Module):
-        covered = {id(p) for m in model.modules() if isinstance(m, LAYERS) for p in m.parameters()}
+        roots = ROOT_USES.get(type(model).__name__, (None, {}))
+        covered = {
+            id(p) for m in model.modules() if isinstance(m, COVERED) for p in m.parameters()
+        }
+        covered |= {id(getattr(model, name)) for name in roots[1]}
         for name, p in model.named_parameters():
             if p.requires_grad and id(p) not in covered:
                 raise ValueError(
@@ -122,11 +139,61 @@ class Capture:
         for module in model.modules():
             if isinstance(module, LAYERS):
                 module.register_forward_hook(self._record)
+            elif isinstance(module, nn.MultiheadAttention):
+                module.forward = _self_attention(self, module)
+        if roots[0] is not None:
+            child, uses = roots
+            params = {name: getattr(model, name) for name in uses}
+            model.get_submodule(child).register_forward_pre_hook(
+                lambda m, inputs: self.record(model, inputs[0], inputs[0], params)
+            )
 
     def _record(self, module, inputs, output) -> None:
-        call = Call(module, inputs[0].detach())
+        self.record(module, inputs[0], output)
+
+    def record(self, module, x: Tensor, output: Tensor, params=None) -> None:
+        """A call of ``module`` with input x; d is set to the gradient of ``output``."""
+        call = Call(module, x.detach(), params=params)
         self.calls.append(call)
         output.register_hook(lambda d: setattr(call, "d", d.detach()))
+
+
+def _self_attention(capture: Capture, attention: nn.MultiheadAttention):
+    """``attention``'s forward for self-attention (query is key is value, batch first, packed
+    in-projection, no bias_k or zero attention), as ``F.multi_head_attention_forward`` computes
+    it: the in-projection qkv = x W^T + b recorded as a call (its weight and bias
+    in_proj_weight, in_proj_bias), ``F.scaled_dot_product_attention`` with the padding mask
+    and dropout, and ``out_proj`` called as a module (so recorded as a Linear)."""
+    if (
+        not (attention.batch_first and attention._qkv_same_embed_dim and attention.bias_k is None)
+        or attention.add_zero_attn
+    ):
+        raise ValueError(
+            "The floor's attention kernel needs batch_first, a packed in-projection, no bias_k "
+            "and add_zero_attn=False."
+        )
+
+    def forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):  # fmt: skip
+        if not (query is key is value) or need_weights:
+            raise ValueError("The floor's attention takes self-attention with need_weights=False.")
+        (n, t, e), h = query.shape, attention.num_heads
+        qkv = F.linear(query, attention.in_proj_weight, attention.in_proj_bias)
+        roles = {"weight": attention.in_proj_weight, "bias": attention.in_proj_bias}
+        capture.record(attention, query, qkv, {r: p for r, p in roles.items() if p is not None})
+        q, k, v = qkv.view(n, t, 3, h, e // h).permute(2, 0, 3, 1, 4)
+        mask = None
+        for m in (attn_mask, key_padding_mask):
+            if m is not None and m.dtype == torch.bool:  # True: left out
+                m = torch.zeros(m.shape, dtype=q.dtype).masked_fill_(m, -torch.inf)
+            if m is not None and m is key_padding_mask:
+                m = m[:, None, None, :]
+            mask = m if mask is None or m is None else mask + m
+        dropout = attention.dropout if attention.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal and mask is None)
+        return attention.out_proj(out.transpose(1, 2).reshape(n, t, e)), None
+
+    return forward
 
 
 def _shared(x: Tensor, d: Tensor, width_x: int, width_d: int) -> tuple[Tensor, Tensor]:
@@ -349,21 +416,58 @@ class _BatchNormUse(_Use):
         return d.sum((2, 3))
 
 
+class _InProjectionUse(_LinearUse):
+    """``nn.MultiheadAttention``'s packed in-projection qkv = x W^T + b, W [3E, E]: the
+    Linear kernels (b_n = sum_t d_t x_t^T over the T positions of a sample)."""
+
+    def _widths(self):
+        return tuple(self.module.in_proj_weight.shape)
+
+
+class _RootUse(_Use):
+    """A root parameter (``role``: its name) added to the input h of a child module (see
+    :data:`ROOT_USES`): b_n read from the gradient of h, d_n, by the model's own map."""
+
+    def materialize(self, lo, hi):
+        name, model = self.role, self.module
+        return ROOT_USES[type(model).__name__][1][name](self.call.d[lo:hi], getattr(model, name))
+
+
+def _rows_of(d: Tensor, table: Tensor) -> Tensor:
+    """b_n of a position table [C, W] whose first T rows are added to h [N, T, W]."""
+    return F.pad(d, (0, 0, 0, table.shape[0] - d.shape[1]))
+
+
+# model class -> (the child whose input h the root parameters enter, {name: b_n from the
+# gradient d of h [N, T, W]}), written out from each model's forward (tests/real_models.py):
+# the encoder's h = embed(tokens) + pos[:T], the ViT's h = cat(cls_token, patches) + pos_embed
+ROOT_USES = {
+    "EncoderClassifier": ("encoder", {"pos": _rows_of}),
+    "ViT": (
+        "encoder",
+        {"cls_token": lambda d, p: d[:, None, :1], "pos_embed": lambda d, p: d[:, None]},
+    ),
+}
 USES = {nn.Linear: _LinearUse, nn.Conv2d: _ConvUse, nn.Embedding: _EmbeddingUse,
-        nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse}  # fmt: skip
+        nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse,
+        nn.MultiheadAttention: _InProjectionUse}  # fmt: skip
 if Conv1D is not None:
     USES[Conv1D] = _Conv1DUse
+# the modules whose parameters the floor has kernels for
+COVERED = LAYERS + (nn.MultiheadAttention,)
 
 
 def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
     """Every trainable parameter's uses in the captured calls, in call order."""
     uses: dict[nn.Parameter, list[_Use]] = {}
     for call in calls:
-        for role in ("weight", "bias"):
-            p = getattr(call.module, role, None)
-            if isinstance(p, nn.Parameter) and p.requires_grad:
-                kind = next(k for k in USES if isinstance(call.module, k))
-                uses.setdefault(p, []).append(USES[kind](call, role))
+        for role, p in call.roles().items():
+            if p.requires_grad:
+                # (a call of none of USES' layers is a ROOT_USES model's root call)
+                kind = next((k for k in USES if isinstance(call.module, k)), None)
+                uses.setdefault(p, []).append(
+                    (_RootUse if kind is None else USES[kind])(call, role)
+                )
     return uses
 
 
