@@ -28,6 +28,12 @@ sequence; T = 1 without shared axes):
   tied), b_n . G' = sum_t e_t . G'_{i_t} (N T W).
 * LayerNorm: b_n = sum_t d_t * xhat_t (weight) and sum_t d_t (bias), [N, W], materialised.
 * Biases: b_n = sum_t d_t, materialised.
+* nn.MultiheadAttention (self-attention): the floor runs its own forward (the packed
+  in-projection by ``F.linear``, ``F.scaled_dot_product_attention``, ``out_proj`` as a
+  module), so the in-projection W [3E, E] is a Linear over the T positions (above).
+* Root parameters added to a child's input h (the encoder's position table, the ViT's class
+  token and position table, :data:`ROOT_USES`): b_n read from the gradient of h, materialised
+  (N T W).
 * A parameter with several uses (the GPT's embedding tied to its head, a layer called twice):
   the summed b_n of all uses is materialised in chunks of samples (at most ``CHUNK`` values
   at once), its norms and projections read from it.
