@@ -28,6 +28,12 @@ sequence; T = 1 without shared axes):
   tied), b_n . G' = sum_t e_t . G'_{i_t} (N T W).
 * LayerNorm: b_n = sum_t d_t * xhat_t (weight) and sum_t d_t (bias), [N, W], materialised.
 * Biases: b_n = sum_t d_t, materialised.
+* nn.MultiheadAttention (self-attention): the floor runs its own forward (the packed
+  in-projection by ``F.linear``, ``F.scaled_dot_product_attention``, ``out_proj`` as a
+  module), so the in-projection W [3E, E] is a Linear over the T positions (above).
+* Root parameters added to a child's input h (the encoder's position table, the ViT's class
+  token and position table, :data:`ROOT_USES`): b_n read from the gradient of h, materialised
+  (N T W).
 * A parameter with several uses (the GPT's embedding tied to its head, a layer called twice):
   the summed b_n of all uses is materialised in chunks of samples (at most ``CHUNK`` values
   at once), its norms and projections read from it.
@@ -44,8 +50,9 @@ counts of all N * D per-sample gradient elements g_n = N b_n into its bins (100 
 every b_n a kernel above materialises is counted where it is made, a Linear weight without
 shared axes is counted from its factors (d_n, x_n) without forming d_n x_n^T, and a parameter
 whose norms and projections need no b_n (Gram forms) materialises it in chunks for the count
-alone. The counting is the cheapest exact one measured on this machine, the numba kernel of
-:func:`avionics.quantities.binning.count_1d` (2M float32 values, one thread: 4.3 ms, against
+alone. The counting is the cheapest exact one measured on this machine, the numba kernels of
+:class:`avionics.quantities.binning.Tally1d`, one tally a step (its private counters zeroed and
+collected once, not per layer; 2M float32 values, one thread: 4.3 ms, against
 15 ms for ``clamp_`` + ``long`` + ``bincount`` in float64 and 13 ms for ``histc``, which
 drops values out of range instead of clamping them). All values are read with one host
 transfer per step.
@@ -62,7 +69,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from avionics.persample.request import OuterProducts
-from avionics.quantities.binning import count_1d
+from avionics.quantities.binning import Tally1d
 from benchmarks.tools import Plain
 
 # the most per-sample gradient values a multi-use parameter materialises at once
@@ -81,11 +88,20 @@ LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.BatchNorm2d) + (
 @dataclass
 class Call:
     """One call of a parameterised layer: its input and the gradient of the mean loss with
-    respect to its output (set by the output's tensor hook during the backward)."""
+    respect to its output (set by the output's tensor hook during the backward); ``params``:
+    role ('weight', 'bias') -> parameter, the module's own weight and bias by default (an
+    attention's in-projection names its packed ones)."""
 
     module: nn.Module
     x: Tensor
     d: Tensor | None = None
+    params: dict[str, nn.Parameter] | None = None
+
+    def roles(self) -> dict[str, nn.Parameter]:
+        if self.params is not None:
+            return self.params
+        roles = {r: getattr(self.module, r, None) for r in ("weight", "bias")}
+        return {r: p for r, p in roles.items() if isinstance(p, nn.Parameter)}
 
 
 @dataclass
@@ -98,10 +114,18 @@ class Direction:
 
 
 class Capture:
-    """Forward hooks on every layer of ``LAYERS`` in ``model`` recording its calls."""
+    """Forward hooks on every layer of ``LAYERS`` in ``model`` recording its calls; each
+    ``nn.MultiheadAttention`` runs the floor's own self-attention (:func:`_self_attention`),
+    whose in-projection and out-projection are recorded as Linear calls; the root parameters
+    of :data:`ROOT_USES` models are recorded from the gradient of the child's input they are
+    added to (:class:`_RootUse`)."""
 
     def __init__(self, model: nn.Module):
-        covered = {id(p) for m in model.modules() if isinstance(m, LAYERS) for p in m.parameters()}
+        roots = ROOT_USES.get(type(model).__name__, (None, {}))
+        covered = {
+            id(p) for m in model.modules() if isinstance(m, COVERED) for p in m.parameters()
+        }
+        covered |= {id(getattr(model, name)) for name in roots[1]}
         for name, p in model.named_parameters():
             if p.requires_grad and id(p) not in covered:
                 raise ValueError(
@@ -121,11 +145,61 @@ class Capture:
         for module in model.modules():
             if isinstance(module, LAYERS):
                 module.register_forward_hook(self._record)
+            elif isinstance(module, nn.MultiheadAttention):
+                module.forward = _self_attention(self, module)
+        if roots[0] is not None:
+            child, uses = roots
+            params = {name: getattr(model, name) for name in uses}
+            model.get_submodule(child).register_forward_pre_hook(
+                lambda m, inputs: self.record(model, inputs[0], inputs[0], params)
+            )
 
     def _record(self, module, inputs, output) -> None:
-        call = Call(module, inputs[0].detach())
+        self.record(module, inputs[0], output)
+
+    def record(self, module, x: Tensor, output: Tensor, params=None) -> None:
+        """A call of ``module`` with input x; d is set to the gradient of ``output``."""
+        call = Call(module, x.detach(), params=params)
         self.calls.append(call)
         output.register_hook(lambda d: setattr(call, "d", d.detach()))
+
+
+def _self_attention(capture: Capture, attention: nn.MultiheadAttention):
+    """``attention``'s forward for self-attention (query is key is value, batch first, packed
+    in-projection, no bias_k or zero attention), as ``F.multi_head_attention_forward`` computes
+    it: the in-projection qkv = x W^T + b recorded as a call (its weight and bias
+    in_proj_weight, in_proj_bias), ``F.scaled_dot_product_attention`` with the padding mask
+    and dropout, and ``out_proj`` called as a module (so recorded as a Linear)."""
+    if (
+        not (attention.batch_first and attention._qkv_same_embed_dim and attention.bias_k is None)
+        or attention.add_zero_attn
+    ):
+        raise ValueError(
+            "The floor's attention kernel needs batch_first, a packed in-projection, no bias_k "
+            "and add_zero_attn=False."
+        )
+
+    def forward(query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
+                average_attn_weights=True, is_causal=False):  # fmt: skip
+        if not (query is key is value) or need_weights:
+            raise ValueError("The floor's attention takes self-attention with need_weights=False.")
+        (n, t, e), h = query.shape, attention.num_heads
+        qkv = F.linear(query, attention.in_proj_weight, attention.in_proj_bias)
+        roles = {"weight": attention.in_proj_weight, "bias": attention.in_proj_bias}
+        capture.record(attention, query, qkv, {r: p for r, p in roles.items() if p is not None})
+        q, k, v = qkv.view(n, t, 3, h, e // h).permute(2, 0, 3, 1, 4)
+        mask = None
+        for m in (attn_mask, key_padding_mask):
+            if m is not None and m.dtype == torch.bool:  # True: left out
+                m = torch.zeros(m.shape, dtype=q.dtype).masked_fill_(m, -torch.inf)
+            if m is not None and m is key_padding_mask:
+                m = m[:, None, None, :]
+            mask = m if mask is None or m is None else mask + m
+        dropout = attention.dropout if attention.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, mask, dropout, is_causal and mask is None)
+        return attention.out_proj(out.transpose(1, 2).reshape(n, t, e)), None
+
+    return forward
 
 
 def _shared(x: Tensor, d: Tensor, width_x: int, width_d: int) -> tuple[Tensor, Tensor]:
@@ -348,21 +422,58 @@ class _BatchNormUse(_Use):
         return d.sum((2, 3))
 
 
+class _InProjectionUse(_LinearUse):
+    """``nn.MultiheadAttention``'s packed in-projection qkv = x W^T + b, W [3E, E]: the
+    Linear kernels (b_n = sum_t d_t x_t^T over the T positions of a sample)."""
+
+    def _widths(self):
+        return tuple(self.module.in_proj_weight.shape)
+
+
+class _RootUse(_Use):
+    """A root parameter (``role``: its name) added to the input h of a child module (see
+    :data:`ROOT_USES`): b_n read from the gradient of h, d_n, by the model's own map."""
+
+    def materialize(self, lo, hi):
+        name, model = self.role, self.module
+        return ROOT_USES[type(model).__name__][1][name](self.call.d[lo:hi], getattr(model, name))
+
+
+def _rows_of(d: Tensor, table: Tensor) -> Tensor:
+    """b_n of a position table [C, W] whose first T rows are added to h [N, T, W]."""
+    return F.pad(d, (0, 0, 0, table.shape[0] - d.shape[1]))
+
+
+# model class -> (the child whose input h the root parameters enter, {name: b_n from the
+# gradient d of h [N, T, W]}), written out from each model's forward (tests/real_models.py):
+# the encoder's h = embed(tokens) + pos[:T], the ViT's h = cat(cls_token, patches) + pos_embed
+ROOT_USES = {
+    "EncoderClassifier": ("encoder", {"pos": _rows_of}),
+    "ViT": (
+        "encoder",
+        {"cls_token": lambda d, p: d[:, None, :1], "pos_embed": lambda d, p: d[:, None]},
+    ),
+}
 USES = {nn.Linear: _LinearUse, nn.Conv2d: _ConvUse, nn.Embedding: _EmbeddingUse,
-        nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse}  # fmt: skip
+        nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse,
+        nn.MultiheadAttention: _InProjectionUse}  # fmt: skip
 if Conv1D is not None:
     USES[Conv1D] = _Conv1DUse
+# the modules whose parameters the floor has kernels for
+COVERED = LAYERS + (nn.MultiheadAttention,)
 
 
 def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
     """Every trainable parameter's uses in the captured calls, in call order."""
     uses: dict[nn.Parameter, list[_Use]] = {}
     for call in calls:
-        for role in ("weight", "bias"):
-            p = getattr(call.module, role, None)
-            if isinstance(p, nn.Parameter) and p.requires_grad:
-                kind = next(k for k in USES if isinstance(call.module, k))
-                uses.setdefault(p, []).append(USES[kind](call, role))
+        for role, p in call.roles().items():
+            if p.requires_grad:
+                # (a call of none of USES' layers is a ROOT_USES model's root call)
+                kind = next((k for k in USES if isinstance(call.module, k)), None)
+                uses.setdefault(p, []).append(
+                    (_RootUse if kind is None else USES[kind])(call, role)
+                )
     return uses
 
 
@@ -455,8 +566,8 @@ class Floor(Plain):
         sq_sum = torch.zeros((), dtype=torch.float64) if self.norms else None
         proj = torch.zeros(n, dtype=torch.float64) if self.project else None
         previous = torch.zeros(n, dtype=torch.float64)
-        counts = torch.zeros(HISTOGRAM_BINS, dtype=torch.int64)
-        visit = _histogram_of_per_sample_gradients(n, counts) if self.economy else None
+        tally = Tally1d(HISTOGRAM_BINS, *(limit / n for limit in HISTOGRAM_RANGE))
+        visit = tally.add if self.economy else None
         kept = {}
         for p in self.params:
             directions = [_mean_direction(p, uses[p])] if self.project else []
@@ -474,7 +585,7 @@ class Floor(Plain):
         scalars = gradient_tests(sq_sum, proj, g_sq, n)
         if self.economy:
             scalars.update(self._economy(n, loss, losses, norms, g_sq, proj, previous))
-            scalars["GradHist1d"] = counts
+            scalars["GradHist1d"] = tally.counts()
             self._previous = kept
         names = list(scalars)
         flat = torch.cat([scalars[q].double().reshape(-1) for q in names]).tolist()
@@ -504,18 +615,6 @@ class Floor(Plain):
             out.update(df1=end.mean(), df1_var=end.var())
         self._previous_norm = g_norm
         return out
-
-
-def _histogram_of_per_sample_gradients(n: int, counts: Tensor):
-    """A visitor adding to ``counts`` the bins of g_n = n b_n for every element of the b_n
-    it is given (a tensor, or the factors of outer products): b_n binned on [lo / n, hi / n],
-    the same bins (no pass multiplies by n)."""
-    lo, hi = HISTOGRAM_RANGE
-
-    def visit(b: Tensor | OuterProducts) -> None:
-        count_1d(b, lo / n, hi / n, counts)
-
-    return visit
 
 
 def _mean_direction(p: nn.Parameter, uses: list[_Use]) -> Direction:

@@ -105,3 +105,27 @@ def test_the_economy_floor_counts_what_grad_hist_1d_counts(build, shape):
     assert sum(counted) == len(X) * sum(p.numel() for p in model.parameters())
     assert counted == [float(c) for c in expected]
     assert sum(1 for c in counted if c > 0) > 10  # (the values spread over many bins)
+
+
+@pytest.mark.parametrize("name", ["encoder", "vit"])
+def test_the_economy_floor_of_attention_and_root_parameters_equals_avionics(name):
+    """nn.MultiheadAttention's in-projection (the floor's own self-attention, with a padding
+    mask on the encoder) and the root parameters (the encoder's position table, the ViT's
+    class token and position table): the floor's gradient tests and histogram counts equal
+    the cockpit's (float64)."""
+    from avionics import configuration
+    from benchmarks.tools import Avionics
+    from tests.real_models import ALL_MODELS
+
+    model, X, y, loss_fn = ALL_MODELS[name](dtype=torch.float64, n=6)
+    model.eval()  # (no dropout: the two steps draw no random numbers)
+    floor = Floor(copy.deepcopy(model), loss_fn, "sgd", "economy")
+    ours = Avionics(copy.deepcopy(model), loss_fn, "sgd", configuration("economy"))
+    floor.step(0, X, y)
+    ours.step(0, X, y)
+    expected = ours.cockpit.get_output()[0]
+    for test in ("NormTest", "InnerTest", "OrthoTest"):
+        assert floor.values[0][test] == pytest.approx(expected[test], rel=1e-10)
+    counted = floor.values[0]["GradHist1d"]
+    assert counted == [float(c) for c in expected["GradHist1d"]["hist"]]
+    assert sum(counted) == len(X) * sum(p.numel() for p in model.parameters())

@@ -116,7 +116,7 @@ def _patched(owner, name, value):
 def accelerator_histograms():
     """The histogram kernels' accelerator path (torch operations), as for a GPU tensor."""
     with (
-        _patched(histograms, "count_1d", binning.torch_count_1d),
+        _patched(binning.Tally1d, "add", binning.Tally1d.add_by_torch),
         _patched(histograms, "count_2d", binning.torch_count_2d),
     ):
         yield

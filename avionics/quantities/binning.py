@@ -28,6 +28,11 @@ bottleneck (a run of equal bins serialises on one counter), so counts go to seve
 counters, and in 1d with ``bins <= PAIR_BINS`` two values are counted with one increment of
 their joint bin b(x_1) * bins + b(x_2), marginalised at the end.
 
+A step's chunks (one per parameter) are counted into one :class:`Tally1d`: the private
+counters are zeroed and added into the counts once a step, not once a chunk (with 100 bins,
+3 x 100^2 counters: about 25 us a chunk, which was most of the counting on the real models'
+small layers).
+
 With several torch threads (``torch.get_num_threads()``), a large chunk's rows are split into
 one part per thread, counted in parallel into private counts (the kernels release the GIL)
 and added up: the same integers.
@@ -149,8 +154,9 @@ def _bin_products(a, values, start, stop, lo, scale, top, out):
         out[e] = _bin((np.float64(a * values[start + e]) - lo) * scale, top)
 
 
-@_jit
-def _counters(bins):
+def _counters(bins: int) -> np.ndarray:
+    """The private counters the 1d kernels increment (:func:`_tally`), zeroed; added into
+    the counts once, by :func:`_collect`."""
     if bins <= PAIR_BINS:
         return np.zeros((3, bins * bins), np.int64)  # two of pairs, one of single values
     return np.zeros((8, bins), np.int64)
@@ -214,15 +220,14 @@ def _collect(counters, bins, counts):
 
 
 @_jit
-def _count_1d(values, lo, scale, bins, counts):
+def _count_1d(values, lo, scale, bins, counters):
+    """Tally the bins of ``values`` into ``counters`` (collected later: :func:`_collect`)."""
     top = np.float64(bins - 1)
     index = np.empty(_BATCH, np.int32)
-    counters = _counters(bins)
     for start in range(0, values.size, _BATCH):
         stop = min(values.size, start + _BATCH)
         _bin_values(values, start, stop, lo, scale, top, index)
         _tally(index, stop - start, counters, bins)
-    _collect(counters, bins, counts)
 
 
 @_jit
@@ -283,16 +288,16 @@ def _count_sorted_products(a, row, start, stop, lo, scale, top, counts):
 
 
 @_jit
-def _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counts):
-    """Bins of rows[n, k] * factors[n, j]. With ``search``, ``sorted_rows`` holds the rows
-    sorted ascending, and the products with one factor are counted run by run
+def _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counters, counts):
+    """Bins of rows[n, k] * factors[n, j], tallied into ``counters`` (collected later) or,
+    for the runs found by search, added to ``counts``. With ``search``, ``sorted_rows``
+    holds the rows sorted ascending, and the products with one factor are counted run by run
     (:func:`_count_sorted_products`) on the row's negative, zero and positive parts (0 is
     often an edge: one run each then); otherwise, and where the products are not finite or
     span many bins, one by one (from the rows in their own order: runs of equal bins would
     serialise the increments)."""
     top = np.float64(bins - 1)
     index = np.empty(_BATCH, np.int32)
-    counters = _counters(bins)
     for n in range(rows.shape[0]):
         if not search:
             for a in factors[n]:
@@ -321,7 +326,6 @@ def _count_outer_1d(rows, factors, sorted_rows, search, lo, scale, bins, counts)
                 start, stop = parts[p], parts[p + 1]
                 if not _count_sorted_products(a, row, start, stop, lo, scale, top, counts):
                     _count_products(a, row[start:stop], lo, scale, top, index, counters, bins)
-    _collect(counters, bins, counts)
 
 
 @_jit
@@ -389,30 +393,83 @@ def _search_pays(rows: np.ndarray, factors: np.ndarray, scale: float) -> bool:
     return int(narrow.sum()) >= _SORT_ROWS * rows.shape[0]
 
 
+class Tally1d:
+    """Counts of values into ``bins`` equal-width bins on [lo, hi], added up over any number
+    of chunks (:meth:`add`) and read once (:meth:`counts`): a histogram's step visits one
+    chunk per parameter, and the kernels' private counters (:func:`_counters`, 3 bins^2
+    integers for ``bins <= PAIR_BINS``) are zeroed and collected once per tally, not once per
+    chunk. CPU chunks go to the numba kernels, one set of counters per thread that counted a
+    part; chunks on any other device to :func:`torch_count_1d`, counted where they are."""
+
+    def __init__(self, bins: int, lo: float, hi: float):
+        self.bins, self.lo, self.hi = bins, float(lo), float(hi)
+        self.scale = bins / (self.hi - self.lo)
+        self._parts: list[tuple[np.ndarray, np.ndarray]] = []  # per thread: counters, counts
+        self._device_counts: Tensor | None = None  # of the chunks off the CPU
+
+    def _part(self, thread: int) -> tuple[np.ndarray, np.ndarray]:
+        while len(self._parts) <= thread:
+            self._parts.append((_counters(self.bins), np.zeros(self.bins, np.int64)))
+        return self._parts[thread]
+
+    def add(self, chunk: Tensor | OuterProducts) -> None:
+        """Count every element of ``chunk`` (a tensor, or a Linear layer's factors)."""
+        if chunk.device.type != "cpu":
+            self.add_by_torch(chunk)
+            return
+        lo, scale, bins = self.lo, self.scale, self.bins
+        if isinstance(chunk, OuterProducts):
+            # the longer factor is sorted (numpy's vectorised sort), the other one iterated
+            delta, x = _factors(chunk)
+            rows, factors = (x, delta) if x.shape[1] >= delta.shape[1] else (delta, x)
+            search = _search_pays(rows, factors, scale)
+
+            def count(part: slice, into: tuple[np.ndarray, np.ndarray]) -> None:
+                sorted_rows = np.sort(rows[part], axis=1) if search else rows[part]
+                _count_outer_1d(
+                    rows[part], factors[part], sorted_rows, search, lo, scale, bins, *into
+                )
+
+            threads = _threads(len(rows), rows.size * factors.shape[1])
+            _in_threads(count, len(rows), [self._part(t) for t in range(threads)])
+        else:
+            values = _as_numpy(chunk).reshape(-1)
+
+            def count(part: slice, into: tuple[np.ndarray, np.ndarray]) -> None:
+                _count_1d(values[part], lo, scale, bins, into[0])
+
+            threads = _threads(values.size, values.size)
+            _in_threads(count, values.size, [self._part(t) for t in range(threads)])
+
+    def add_by_torch(self, chunk: Tensor | OuterProducts) -> None:
+        """:meth:`add` by torch operations on the chunk's device (:func:`torch_count_1d`):
+        the path of every chunk off the CPU."""
+        if self._device_counts is None:
+            self._device_counts = torch.zeros(self.bins, dtype=torch.int64, device=chunk.device)
+        torch_count_1d(chunk, self.lo, self.hi, self._device_counts)
+
+    def counts(self, device: torch.device | str = "cpu") -> Tensor:
+        """The counts of everything added (int64 [bins]) on ``device`` (that of the chunks
+        off the CPU, where there were any)."""
+        counts = self._device_counts
+        if self._parts or counts is None:  # (no host tensor where every chunk was off it)
+            total = np.zeros(self.bins, np.int64)
+            for counters, part_counts in self._parts:
+                _collect(counters, self.bins, part_counts)
+                total += part_counts
+            host = torch.from_numpy(total)
+            counts = host.to(device) if counts is None else counts + host.to(counts.device)
+        self._parts, self._device_counts = [], None  # (a tally is read once)
+        return counts
+
+
 def count_1d(chunk: Tensor | OuterProducts, lo: float, hi: float, counts: Tensor) -> None:
     """Add the bin counts of all per-sample gradient elements in ``chunk`` to ``counts``
-    (int64 [bins], on the chunk's device)."""
-    bins, scale = counts.numel(), counts.numel() / (hi - lo)
-    if chunk.device.type != "cpu":
-        torch_count_1d(chunk, lo, hi, counts)
-    elif isinstance(chunk, OuterProducts):
-        # the longer factor is sorted (numpy's vectorised sort), the other one iterated
-        delta, x = _factors(chunk)
-        rows, factors = (x, delta) if x.shape[1] >= delta.shape[1] else (delta, x)
-        search = _search_pays(rows, factors, scale)
-
-        def count(part: slice, out: np.ndarray) -> None:
-            sorted_rows = np.sort(rows[part], axis=1) if search else rows[part]
-            _count_outer_1d(rows[part], factors[part], sorted_rows, search, lo, scale, bins, out)
-
-        _in_threads(count, len(rows), rows.size * factors.shape[1], counts.numpy())
-    else:
-        values = _as_numpy(chunk).reshape(-1)
-
-        def count(part: slice, out: np.ndarray) -> None:
-            _count_1d(values[part], lo, scale, bins, out)
-
-        _in_threads(count, values.size, values.size, counts.numpy())
+    (int64 [bins], on the chunk's device): a :class:`Tally1d` of one chunk (to count several,
+    add them to one tally)."""
+    tally = Tally1d(counts.numel(), lo, hi)
+    tally.add(chunk)
+    counts += tally.counts(counts.device)
 
 
 def count_2d(
@@ -431,20 +488,25 @@ def count_2d(
         torch_count_2d(chunk, offsets, bins, lo, hi, counts)
         return
     offsets_np = offsets.to(torch.int32).contiguous().numpy()  # no copy when int32 already
+    counts_np = counts.numpy()
     if isinstance(chunk, OuterProducts):
         delta, x = _factors(chunk)
 
         def count(part: slice, out: np.ndarray) -> None:
             _count_outer_2d(delta[part], x[part], offsets_np, lo, scale, bins, out)
 
-        _in_threads(count, len(delta), delta.size * x.shape[1], counts.numpy())
+        rows, threads = len(delta), _threads(len(delta), delta.size * x.shape[1])
     else:
         values = _as_numpy(chunk).reshape(-1, offsets.numel())
 
         def count(part: slice, out: np.ndarray) -> None:
             _count_2d(values[part], offsets_np, lo, scale, bins, out)
 
-        _in_threads(count, len(values), values.size, counts.numpy())
+        rows, threads = len(values), _threads(len(values), values.size)
+    outs = [counts_np] + [np.zeros_like(counts_np) for _ in range(threads - 1)]
+    _in_threads(count, rows, outs)
+    for out in outs[1:]:
+        counts_np += out
 
 
 # Values a thread counts at least: below that, handing a part to another thread (tens of
@@ -454,14 +516,19 @@ PER_THREAD = 2**18
 _pools: dict[int, tuple[int, ThreadPoolExecutor]] = {}
 
 
-def _in_threads(count, rows: int, values: int, counts: np.ndarray) -> None:
-    """count(rows a:b, out) over consecutive parts of the rows, one part per torch thread
-    (``torch.get_num_threads()``, at least :data:`PER_THREAD` values each; the kernels release
-    the GIL), each part's counts in its own zeroed copy of ``counts``, added up at the end:
-    the same integers in any order. The calling thread counts the first part."""
-    threads = max(1, min(torch.get_num_threads(), rows, values // PER_THREAD))
+def _threads(rows: int, values: int) -> int:
+    """How many threads count a chunk of ``values`` in ``rows`` rows: one per torch thread
+    (``torch.get_num_threads()``), at least :data:`PER_THREAD` values and a row each."""
+    return max(1, min(torch.get_num_threads(), rows, values // PER_THREAD))
+
+
+def _in_threads(count, rows: int, outs: list) -> None:
+    """count(rows a:b, outs[t]) over ``len(outs)`` consecutive parts of the rows, part t in
+    thread t (the kernels release the GIL; the calling thread counts the first part), each
+    into its own private counts, which the caller adds up: the same integers in any order."""
+    threads = len(outs)
     if threads == 1:
-        count(slice(0, rows), counts)
+        count(slice(0, rows), outs[0])
         return
     bounds = [rows * t // threads for t in range(threads + 1)]
     parts = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
@@ -471,12 +538,10 @@ def _in_threads(count, rows: int, values: int, counts: np.ndarray) -> None:
             pool.shutdown(wait=False)
         pool = ThreadPoolExecutor(threads - 1, "avionics-histograms")
         _pools[os.getpid()] = threads - 1, pool
-    outs = [np.zeros_like(counts) for _ in parts[1:]]
-    futures = [pool.submit(count, part, out) for part, out in zip(parts[1:], outs)]
-    count(parts[0], counts)
-    for future, out in zip(futures, outs):
+    futures = [pool.submit(count, part, out) for part, out in zip(parts[1:], outs[1:])]
+    count(parts[0], outs[0])
+    for future in futures:
         future.result()
-        counts += out
 
 
 KERNELS = (_count_1d, _count_outer_1d, _count_2d, _count_outer_2d)

@@ -35,7 +35,7 @@ from torch import Tensor
 from avionics.persample import OuterProducts, Request
 from avionics.quantities.arguments import checked_int, checked_real
 from avionics.quantities.base import Quantity, StepData
-from avionics.quantities.binning import bin_index, count_1d, count_2d, load_kernels
+from avionics.quantities.binning import Tally1d, bin_index, count_2d, load_kernels
 from avionics.quantities.outputs import HISTOGRAM_1D, HISTOGRAM_2D
 
 PER_SAMPLE_KEYS = ("individual_losses", "batch_size")
@@ -191,26 +191,25 @@ class GradHist1d(_Histogram):
         super().__init__(schedule)
         self.bins, self.range = _checked_range(self.name, bins, range)
         self.adapt = _checked_adapt(self.name, adapt)
-        self._counts: Tensor | None = None
+        self._tally: Tally1d | None = None
         self._max: Tensor | float | None = None
 
     def _begin(self, data: StepData) -> None:
-        self._counts, self._max, self._step_range = None, None, self.range
+        # one tally per step: every parameter's chunks are counted into the same counters,
+        # collected once in sums
+        self._step_range = self.range
+        self._tally, self._max = Tally1d(self.bins, *self._step_range), None
 
     def _visit(self, k: int, chunk: Tensor | OuterProducts) -> None:
-        if self._counts is None:
-            self._counts = torch.zeros(self.bins, dtype=torch.int64, device=chunk.device)
-        count_1d(chunk, *self._step_range, self._counts)
+        self._tally.add(chunk)
         if self.adapt is not None and self.adapt.source == "grad":
             self._max = _larger(self._max, _chunk_abs_max(chunk))
 
     def sums(self, data: StepData):
-        if self._counts is None:  # no tracked parameter had any element
-            self._counts = torch.zeros(self.bins, dtype=torch.int64, device=data.params[0].device)
-        sums = {"hist": self._counts}
+        sums = {"hist": self._tally.counts(data.params[0].device)}
         if self.adapt is not None and self.adapt.source == "grad":
             sums["max"] = _slots_of_max(self._max, data)
-        self._counts, self._max = None, None
+        self._tally, self._max = None, None
         return sums
 
     def compute(self, data: StepData):

@@ -387,3 +387,32 @@ def test_a_cockpit_with_a_histogram_loads_the_kernels_its_first_step_uses():
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["True", "True", "True"], result.stdout
+
+
+@pytest.mark.parametrize("bins", [100, binning.PAIR_BINS + 1])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_tally_of_many_chunks_counts_as_all_their_values_at_once(monkeypatch, bins, threads):
+    """One Tally1d over a step's chunks (dense tensors, outer products, empty ones, NaN and
+    inf, split over threads or not) counts what numpy counts of all their values."""
+    monkeypatch.setattr(binning, "PER_THREAD", 8)
+    previous = torch.get_num_threads()
+    delta, x = (
+        random_values(6 * 4, torch.float32, seed=21).reshape(6, 4),
+        random_values(6 * 90, torch.float32, seed=22).reshape(6, 90),
+    )
+    dense = random_values(6 * 50, torch.float32, seed=23).reshape(6, 5, 10) * 3
+    dense[2, 1, 3], dense[4, 0, 0], dense[5, 4, 9] = float("nan"), float("inf"), -float("inf")
+    chunks = [dense, OuterProducts(delta, x), torch.zeros(6, 0), OuterProducts(delta * 1e-3, x)]
+    try:
+        torch.set_num_threads(threads)
+        tally = binning.Tally1d(bins, -2.0, 2.0)
+        for chunk in chunks:
+            tally.add(chunk)
+        counts = tally.counts()
+    finally:
+        torch.set_num_threads(previous)
+    values = [c.materialize() if isinstance(c, OuterProducts) else c for c in chunks]
+    index = binning.bin_index(torch.cat([v.reshape(-1) for v in values]), bins, -2.0, 2.0)
+    expected = np.bincount(index.numpy(), minlength=bins)
+    assert counts.dtype == torch.int64 and counts.sum() == index.numel()
+    np.testing.assert_array_equal(counts.numpy(), expected)
