@@ -12,7 +12,9 @@ z_n ~ N(0, I) from a seeded generator (E[S z z^T S^T] = H_n), averaged over ``mc
 draws: an unbiased estimate, one backward per draw whatever the output size.
 
 Each column goes back from the model output to every captured module output (none when that
-output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
+output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward
+(one plain backward per column where a convolution's input gradient is needed, which vmap
+batches worse than a loop);
 the squared per-sample gradients are summed over the columns by each parameter's per-layer
 rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
 form for Linear layers without shared axes, all columns of a group in one product per
@@ -137,8 +139,9 @@ def _batches_well(calls: dict) -> bool:
     """Whether the columns go back in one batched backward (vmap over the group) rather than
     one backward per column: not where a convolution's input gradient is needed, since vmap's
     rule for ``convolution_backward`` runs the convolution once per column and copies the
-    expanded operands around it (9 columns through the ResNet: 66 ms batched, 44 ms as 9
-    backwards; BENCHMARKS.md, "Business on the seven models")."""
+    expanded operands around it (9 columns through the ResNet's graph, one process: the GGN
+    diagonal 144 ms batched, 134 ms by 9 backwards; BENCHMARKS.md, "Business on the seven
+    models")."""
     for module, module_calls in calls.items():
         if isinstance(module, nn.modules.conv._ConvNd):
             for call in module_calls:
