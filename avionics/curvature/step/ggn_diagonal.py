@@ -12,7 +12,9 @@ z_n ~ N(0, I) from a seeded generator (E[S z z^T S^T] = H_n), averaged over ``mc
 draws: an unbiased estimate, one backward per draw whatever the output size.
 
 Each column goes back from the model output to every captured module output (none when that
-output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward;
+output is the model output itself), up to ``COLUMN_GROUP`` columns in one batched backward
+(one plain backward per column where a convolution's input gradient is needed, which vmap
+batches worse than a loop);
 the squared per-sample gradients are summed over the columns by each parameter's per-layer
 rule (:meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`: a closed
 form for Linear layers without shared axes, all columns of a group in one product per
@@ -112,29 +114,48 @@ def ggn_diagonal(
     # and the sums that read the columns elsewhere (the root parameters' use nodes, the
     # attention's projections) need their gradients there
     edges = [sums.edges[i] for i in inner] + sums.sum_edges
+    batched = _batches_well(calls)
     for group in _groups(columns):
         group = torch.stack([c.reshape(moved_shape).movedim(0, root.batch_axis) for c in group])
-        found = _backward(out_edge, edges, group)
-        for j, column in enumerate(group):
+        for column, found in zip(group, _backward(out_edge, edges, group, batched)):
             grads = [column] * len(sums.edges)
             for i, g in zip(inner, found[: len(inner)], strict=True):
-                grads[i] = None if g is None else g[j]
-            inside = [None if g is None else g[j] for g in found[len(inner) :]]
-            sums.add(_float(grads), _float(inside))
+                grads[i] = g
+            sums.add(_float(grads), _float(found[len(inner) :]))
     return sums.result(1.0 / (n if mc_samples is None else n * mc_samples))
 
 
-def _backward(out_edge, edges: list, group: Tensor) -> list[Tensor | None]:
-    """The gradients at ``edges`` of the model output's columns ``group`` [k, *output], each
-    [k, ...] (None where none arrived): one batched backward, a plain one for one column."""
+def _backward(out_edge, edges: list, group: Tensor, batched: bool):
+    """Per column of ``group`` [k, *output] (the model output's), its gradients at ``edges``
+    (None where none arrived): one batched backward where ``batched`` (and k > 1), else one
+    plain backward per column, each made when the caller asks for it (one column's gradients
+    held at a time)."""
     if not edges:
-        return []
-    if len(group) > 1:
-        return list(batched_grad([out_edge], edges, [group]))
-    found = torch.autograd.grad(
-        [out_edge], edges, [group[0]], retain_graph=True, allow_unused=True
-    )
-    return [None if g is None else g.unsqueeze(0) for g in found]
+        yield from ([] for _ in group)
+    elif batched and len(group) > 1:
+        found = batched_grad([out_edge], edges, [group])
+        yield from ([None if g is None else g[j] for g in found] for j in range(len(group)))
+    else:
+        for column in group:
+            yield torch.autograd.grad(
+                [out_edge], edges, [column], retain_graph=True, allow_unused=True
+            )
+
+
+def _batches_well(calls: dict) -> bool:
+    """Whether the columns go back in one batched backward (vmap over the group) rather than
+    one backward per column: not where a convolution's input gradient is needed, since vmap's
+    rule for ``convolution_backward`` runs the convolution once per column and copies the
+    expanded operands around it (9 columns through the ResNet's graph, one process: the GGN
+    diagonal 144 ms batched, 134 ms by 9 backwards; BENCHMARKS.md, "Business on the seven
+    models")."""
+    for module, module_calls in calls.items():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            for call in module_calls:
+                x = call.args[0] if call.args else None
+                if isinstance(x, Tensor) and x.requires_grad:
+                    return False
+    return True
 
 
 def _groups(columns):

@@ -27,6 +27,7 @@ re-run under vmap).
 
 from __future__ import annotations
 
+import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
 from torch.func import vmap
@@ -395,13 +396,19 @@ class SharedParameterRule(Rule):
         return [g[start:stop] * self.output_gradient_factor for g in self.gradients]
 
 
+# columns whose gradients at the use nodes are kept before they are mapped together
+SHARED_PARAMETER_GROUP = 16
+
+
 class SharedParameterColumnSums:
     """sum over backpropagated columns j of sum_n g_{n,j}^2 (with ``traces``, its sum_d) for
     parameters used directly in the forward (:func:`shared_parameter_uses`): g_{n,j} = sum over
     the parameter's uses of ``per_sample(dh_j)``, dh_j column j's gradient w.r.t. the use
     node's output, asked of autograd at :attr:`edges` in the column's backward (the closed
     forms of :class:`SharedParameterRule`, where the generic rule would re-run the whole model
-    under vmap for every column)."""
+    under vmap for every column). The columns' dh_j are kept and a group of
+    :data:`SHARED_PARAMETER_GROUP` goes through each map at once (vmap over the columns:
+    [K, *dh] -> [K, N, *p]), squared and summed over j and n, instead of one map per column."""
 
     def __init__(self, names: list[str], uses: list[list[tuple]], traces: bool):
         self.names, self.traces = names, traces
@@ -415,20 +422,44 @@ class SharedParameterColumnSums:
                     at[id(node)] = len(self.edges)
                     self.edges.append(GradientEdge(node, 0))
                 self.uses[-1].append((at[id(node)], per_sample))
+        self.pending: list[list[Tensor | None]] = []
         self.totals: list[Tensor | None] = [None] * len(names)
 
     def add(self, grads: list[Tensor | None]) -> None:
         """One column: ``grads[i]`` is its gradient at ``edges[i]`` (None: none arrived)."""
+        self.pending.append(list(grads))
+        if len(self.pending) == SHARED_PARAMETER_GROUP:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """The pending columns' squared per-sample gradients, added to the totals. A column
+        without a gradient at an edge adds nothing there (a zero in the stack)."""
+        columns, self.pending = self.pending, []
+        stacked = [_stack([column[i] for column in columns]) for i in range(len(self.edges))]
         for k, parameter_uses in enumerate(self.uses):
             found = [
-                per_sample(grads[i]) for i, per_sample in parameter_uses if grads[i] is not None
+                vmap(per_sample)(stacked[i])
+                for i, per_sample in parameter_uses
+                if stacked[i] is not None
             ]
             if not found:
                 continue
-            g = sum(found[1:], found[0])
-            s = g.pow(2).sum() if self.traces else g.pow(2).sum(0)
+            g = sum(found[1:], found[0])  # [K, N, *p]
+            s = g.square_().sum() if self.traces else g.square_().sum((0, 1))
             self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
 
     def result(self, scale: float) -> list[Tensor | None]:
         """``scale`` times the sums, one per name (None where no column reached the name)."""
+        if self.pending:
+            self._reduce()
         return [t.mul_(scale) if t is not None else None for t in self.totals]
+
+
+def _stack(grads: list[Tensor | None]) -> Tensor | None:
+    """[K, *dh] from the columns' gradients at one edge, zeros where one had none (None where
+    no column had one)."""
+    known = next((g for g in grads if g is not None), None)
+    if known is None:
+        return None
+    zero = torch.zeros_like(known)
+    return torch.stack([zero if g is None else g for g in grads])

@@ -54,12 +54,16 @@ def _inputs(module: nn.Module, call, n: int) -> tuple[Tensor, tuple[int, ...]]:
     return x_hat, tuple(range(1, lead))
 
 
+def _features_last(module, call, n: int, d: Tensor) -> Tensor:
+    """Output gradient ``d`` of ``call``, batch first and features last (as x_hat)."""
+    d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
+    return d if isinstance(module, nn.LayerNorm | nn.RMSNorm) else d.movedim(1, -1)
+
+
 def _per_sample(module, call, x_hat, summed, names, n, d: Tensor) -> list[Tensor]:
     """Each name's per-sample gradient [N, *features] for output gradient ``d`` of ``call``
     (factor 1): sum over ``summed`` of d * x_hat (weight) or d (bias)."""
-    d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
-    if not isinstance(module, nn.LayerNorm | nn.RMSNorm):
-        d = d.movedim(1, -1)
+    d = _features_last(module, call, n, d)
     grads = [d * x_hat if name == "weight" else d for name in names]
     return [g.sum(summed) if summed else g for g in grads]
 
@@ -86,28 +90,54 @@ class NormalizationRule(Rule):
         yield 0, self.grads
 
 
+# columns whose output gradients are kept before their per-sample gradients are formed together
+NORMALIZATION_GROUP = 16
+
+
 class NormalizationColumnSums:
     """:meth:`NormalizationRule.column_sums`: x_hat of each call computed once for all
     columns; per column j, g_{n,j} = sum over the other axes of delta_j * x_hat (weight) or
-    delta_j (bias), summed over the calls, squared and summed over the samples."""
+    delta_j (bias), summed over the calls, squared and summed over the samples. The columns'
+    output gradients are kept and a group of :data:`NORMALIZATION_GROUP` is formed at once,
+    [K, N, ...] * x_hat summed over the other axes (one kernel per form instead of one per
+    column)."""
 
     def __init__(self, module, calls, names: list[str], n: int, traces: bool):
         self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
         self.inputs = [_inputs(module, call, n) for call in calls]
+        self.pending: list[list[Tensor | None]] = []  # per column, per call: d batch first
         self.totals: list[Tensor | None] = [None] * len(names)
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
+        self.pending.append([
+            None if outs[0] is None else _features_last(self.module, call, self.n, outs[0])
+            for call, outs in zip(self.calls, grad_outputs, strict=True)
+        ])  # fmt: skip
+        if len(self.pending) == NORMALIZATION_GROUP:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        """The pending columns' squared per-sample gradients, added to the totals (a column
+        that did not reach a call adds a zero there)."""
+        columns, self.pending = self.pending, []
         grads = None
-        for call, (x_hat, summed), outs in zip(self.calls, self.inputs, grad_outputs, strict=True):
-            if outs[0] is None:
+        for c, (x_hat, summed) in enumerate(self.inputs):
+            ds = [column[c] for column in columns]
+            known = next((d for d in ds if d is not None), None)
+            if known is None:
                 continue
-            per_call = _per_sample(self.module, call, x_hat, summed, self.names, self.n, outs[0])
-            grads = per_call if grads is None else [g + c for g, c in zip(grads, per_call)]
+            d = torch.stack([torch.zeros_like(known) if g is None else g for g in ds])
+            axes = tuple(a + 1 for a in summed)  # (after the column axis)
+            per_call = [d * x_hat if name == "weight" else d for name in self.names]
+            per_call = [g.sum(axes) if axes else g for g in per_call]  # [K, N, *features]
+            grads = per_call if grads is None else [g + p for g, p in zip(grads, per_call)]
         for k, g in enumerate(grads or ()):
-            s = g.pow(2).sum() if self.traces else g.pow(2).sum(0)
+            s = g.square_().sum() if self.traces else g.square_().sum((0, 1))
             self.totals[k] = s if self.totals[k] is None else self.totals[k].add_(s)
 
     def result(self, scale: float) -> list[Tensor | None]:
         """``scale`` times the sums, one per name (None where no column arrived)."""
+        if self.pending:
+            self._reduce()
         return [t.mul_(scale) if t is not None else None for t in self.totals]
