@@ -463,10 +463,27 @@ if Conv1D is not None:
 COVERED = LAYERS + (nn.MultiheadAttention,)
 
 
+def _position_tables_per_sample(calls: list[Call]) -> list[Call]:
+    """``calls`` with each position table looked up by indices [1, T] that serve every sample
+    (GPT-2's and BERT's position embeddings) given per-sample data: its output's gradient is
+    summed over the batch, so its b_n read the gradient of the sum it is added to, which the
+    token table's output [N, T, W] has too; its indices are expanded to the N samples."""
+    tables = [c for c in calls if isinstance(c.module, nn.Embedding)]
+    out = []
+    for call in calls:
+        if isinstance(call.module, nn.Embedding) and call.d.shape[0] == 1:
+            shape = call.d.shape[1:]
+            token = next((c for c in tables if c.d.shape[0] > 1 and c.d.shape[1:] == shape), None)
+            if token is not None:
+                call = Call(call.module, call.x.expand(token.d.shape[:-1]), token.d, call.params)
+        out.append(call)
+    return out
+
+
 def _uses(calls: list[Call]) -> dict[nn.Parameter, list[_Use]]:
     """Every trainable parameter's uses in the captured calls, in call order."""
     uses: dict[nn.Parameter, list[_Use]] = {}
-    for call in calls:
+    for call in _position_tables_per_sample(calls):
         for role, p in call.roles().items():
             if p.requires_grad:
                 # (a call of none of USES' layers is a ROOT_USES model's root call)
