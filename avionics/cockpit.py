@@ -47,6 +47,7 @@ from avionics.step.accumulation import accumulated
 from avionics.step.batch import (
     OneProcess,
     one_batch,
+    record_fresh_gradients,
     record_gradients,
     settled,
     with_finiteness,
@@ -367,7 +368,7 @@ class Cockpit:
         handles = [scale_recorder(entry.info["loss"], part)]
         # (under FSDP too: whether the batches are equal, which makes p.grad's shards the
         # global gradient's, is learnt only from the block's agreement)
-        if record or not single or several:
+        if not single or several or (record and self._sharded):
             # DDP may overwrite the tensor its hook saw with the average (also when the
             # cockpit was given the module DDP wraps), and a later micro-batch's backward adds
             # into it: keep a copy. Under FSDP each process's whole gradient arrives at the
@@ -376,6 +377,8 @@ class Cockpit:
             graph = any(q.create_graph for q in entry.active) and (self._sharded or not single)
             leaves = self._processes.leaves() if self._sharded else self.params
             handles += record_gradients(part, leaves, several or not single, graph)
+        elif record:  # (the engine's check reads the backward's own gradients)
+            handles += record_fresh_gradients(part, self.params)
         return capture, part, handles
 
     def _leave(self, entry: Entry, part: Part | None) -> None:

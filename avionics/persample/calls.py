@@ -16,6 +16,8 @@ from torch.nn.utils.rnn import PackedSequence
 class Shape:
     """What is kept of an output once its gradient is hooked: shape, dtype, device."""
 
+    __slots__ = ("shape", "dtype", "device")
+
     def __init__(self, t: Tensor):
         self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
 

@@ -78,6 +78,10 @@ class Capture:
         # (the model's parameter owners for the broadcast rule, where the engine keeps them)
         self._owners = owners
         self._watched = set(modules) | {model}
+        # the watched modules whose calls the attention rule looks inside, or re-runs with
+        # the random state of their forward (nn.MultiheadAttention): only their calls pay
+        # for it, and without any the capture hooks no forward pre-hook at all
+        self._attention = {m for m in self._watched if isinstance(m, nn.MultiheadAttention)}
         self.calls: list[ModuleCall] = []
         self._forward_handle: RemovableHandle | None = None
         self._pre_forward_handle: RemovableHandle | None = None
@@ -115,12 +119,13 @@ class Capture:
 
             def pre_hook(module, args):
                 alive = capture()
-                if alive is not None and module in alive._watched and draws_in_forward(module):
+                if alive is not None and module in alive._attention and draws_in_forward(module):
                     alive._rng_states[module] = state_before(args)
 
-            self._pre_forward_handle = torch.nn.modules.module.register_module_forward_pre_hook(
-                pre_hook
-            )
+            if self._attention:
+                self._pre_forward_handle = (
+                    torch.nn.modules.module.register_module_forward_pre_hook(pre_hook)
+                )
 
     def __del__(self):
         self.disarm()
@@ -132,8 +137,9 @@ class Capture:
             # entry per registration, torch 2.x): remove it here
             _WITH_KWARGS.pop(self._forward_handle.id, None)
             self._forward_handle = None
-            self._pre_forward_handle.remove()
-            self._pre_forward_handle = None
+            if self._pre_forward_handle is not None:
+                self._pre_forward_handle.remove()
+                self._pre_forward_handle = None
 
     def _on_forward(self, module, args, kwargs, output) -> None:
         if not torch.is_grad_enabled():
@@ -146,24 +152,16 @@ class Capture:
             roots = [i for i, c in enumerate(self.calls) if c.module is self.root]
             if len(roots) >= MAX_ROOT_CALLS:  # drop the oldest forward's calls
                 self.calls = [c for c in self.calls[roots[0] + 1 :]]
-        outputs = _tensors(output)
-        # The node that produced each output, taken now: a later in-place operation (ReLU with
-        # inplace=True) replaces the tensor's grad_fn.
-        nodes = [(t.grad_fn, t.output_nr) if t.grad_fn is not None else t for t in outputs]
-        inputs = _tensors(args) + (_tensors(kwargs) if kwargs else [])
+        attention = module in self._attention
         self.calls.append(
-            ModuleCall(
-                module=module,
-                args=args,
-                kwargs=kwargs,
-                outputs=[Shape(t) for t in outputs],
-                nodes=[n for n, t in zip(nodes, outputs) if t.requires_grad],
-                node_outputs=[i for i, t in enumerate(outputs) if t.requires_grad],
-                batch_axis=self._axes.get(module, 0),
-                inputs=inputs,
-                input_versions=[t._version for t in inputs],
-                rng_state=self._rng_states.pop(module, None),
-                inside=inside(module, args, kwargs, output),
+            _call(
+                module,
+                args,
+                kwargs,
+                output,
+                self._axes.get(module, 0),
+                self._rng_states.pop(module, None) if attention else None,
+                inside(module, args, kwargs, output) if attention else None,
             )
         )
         if module is self.root:
@@ -284,6 +282,40 @@ def _tensors(tree) -> list[Tensor]:
     if items is not None and all(isinstance(t, _FLAT_LEAVES) for t in items):
         return [t for t in items if isinstance(t, Tensor)]
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def _call(module, args, kwargs, output, axis: int, rng_state, found_inside) -> ModuleCall:
+    """The :class:`ModuleCall` of one call, with each tensor attribute read once: the node
+    that produced each output that requires grad (taken now: a later in-place operation,
+    ReLU with inplace=True, replaces the tensor's grad_fn), or the output itself where it is
+    a leaf, and the inputs' versions (checked unchanged when a rule reads them)."""
+    outputs = _tensors(output)
+    shapes, nodes, node_outputs = [], [], []
+    for i, t in enumerate(outputs):
+        shapes.append(Shape(t))
+        node = t.grad_fn
+        if node is not None:  # (a tensor with a grad_fn requires grad)
+            nodes.append((node, t.output_nr))
+            node_outputs.append(i)
+        elif t.requires_grad:
+            nodes.append(t)
+            node_outputs.append(i)
+    inputs = _tensors(args)
+    if kwargs:
+        inputs += _tensors(kwargs)
+    return ModuleCall(
+        module=module,
+        args=args,
+        kwargs=kwargs,
+        outputs=shapes,
+        nodes=nodes,
+        node_outputs=node_outputs,
+        batch_axis=axis,
+        inputs=inputs,
+        input_versions=[t._version for t in inputs],
+        rng_state=rng_state,
+        inside=found_inside,
+    )
 
 
 def _storer(call: ModuleCall, index: int):

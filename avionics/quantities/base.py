@@ -121,6 +121,9 @@ class StepCache:
         g_sq: ||g||^2, their sum.
         sum_sq: sum_n g_{n,d}^2 flattened over all tracked parameters.
         params_copy: a copy of theta_t (see :meth:`StepData.params_copy`).
+        distances: (a, b, [||a_k - b_k||]) of the last :func:`per_parameter_distances`, for
+            the lists ``a`` and ``b`` themselves (UpdateSize and UpdateRatio both read
+            ||theta_{t+1} - theta_t|| of the same shared copy of theta_t).
         curvature_diagonals: the curvature diagonals computed at this step, keyed by the
             settings of the quantities that asked (shared by HessTrace, TICDiag, TICTrace).
     """
@@ -130,6 +133,7 @@ class StepCache:
     g_sq: Tensor | None = None
     sum_sq: Tensor | None = None
     params_copy: list[Tensor] | None = None
+    distances: tuple | None = None
     curvature_diagonals: dict[tuple, Any] = field(default_factory=dict)
 
 
@@ -534,16 +538,49 @@ def global_norm_squared(tensors: list[Tensor]) -> Tensor:
 def per_parameter_norms(tensors: list[Tensor], data: StepData | None = None) -> Tensor:
     """[||t_1||, ..., ||t_K||] as one tensor (one host transfer when converted); of the whole
     parameters when ``data`` says they are sharded (see :func:`whole_norms`)."""
-    return whole_norms(torch.stack([t.norm() for t in tensors]), data)
+    return whole_norms(torch.stack(torch._foreach_norm(tensors)), data)
 
 
 def per_parameter_distances(
     a: list[Tensor], b: list[Tensor], data: StepData | None = None
 ) -> Tensor:
-    """[||a_1 - b_1||, ..., ||a_K - b_K||] as one tensor; one difference exists at a time (the
-    differences of all parameters at once would be a model-sized temporary). Of the whole
-    parameters when ``data`` says they are sharded."""
-    return whole_norms(torch.stack([(x - y).norm() for x, y in zip(a, b, strict=True)]), data)
+    """[||a_1 - b_1||, ..., ||a_K - b_K||] as one tensor, of the whole parameters when
+    ``data`` says they are sharded; with ``data``, made once per step for the same lists
+    ``a`` and ``b`` and shared (:attr:`StepCache.distances`).
+
+    The differences are formed by fused kernels (``torch._foreach_sub``, ``_foreach_norm``)
+    a group of parameters at a time, each group's differences within :data:`DIFFERENCE_BYTES`
+    (all of them at once would be a model-sized temporary)."""
+    cached = data.cache.distances if data is not None else None
+    if cached is not None and cached[0] is a and cached[1] is b:
+        return cached[2]
+    if len(a) != len(b):
+        raise ValueError(f"per_parameter_distances: {len(a)} tensors against {len(b)}.")
+    norms: list[Tensor] = []
+    for start, stop in _groups([x.numel() * x.element_size() for x in a], DIFFERENCE_BYTES):
+        norms += torch._foreach_norm(torch._foreach_sub(a[start:stop], b[start:stop]))
+    distances = whole_norms(torch.stack(norms), data)
+    if data is not None:
+        data.cache.distances = (a, b, distances)
+    return distances
+
+
+# Bytes the differences of one group of parameters may take (per_parameter_distances).
+DIFFERENCE_BYTES = 8 * 2**20
+
+
+def _groups(sizes: list[int], budget: int) -> list[tuple[int, int]]:
+    """Consecutive runs (start, stop) of ``sizes`` each summing to at most ``budget`` (a
+    larger size alone in its run)."""
+    runs, start, total = [], 0, 0
+    for k, size in enumerate(sizes):
+        if k > start and total + size > budget:
+            runs.append((start, k))
+            start, total = k, 0
+        total += size
+    if start < len(sizes):
+        runs.append((start, len(sizes)))
+    return runs
 
 
 def whole_norms(norms: Tensor, data: StepData | None) -> Tensor:

@@ -46,6 +46,18 @@ def record_gradients(part: Part, params: list, copy: bool, graph: bool) -> list:
     return [p.register_hook(_store(part, k, copy)) for k, p in enumerate(params)]
 
 
+def record_fresh_gradients(part: Part, params: list) -> list:
+    """:func:`record_gradients` for one batch on one process (no copies, no graph), where
+    ``p.grad`` may hold an earlier backward's gradient. Where every tracked ``p.grad`` is
+    None as the backward begins (``optimizer.zero_grad()``'s default), ``p.grad`` after it is
+    the backward's gradient itself: nothing is hooked (``part.grads_fresh``), and the step
+    reads ``p.grad`` (:func:`one_batch`). Returns the hooks' handles."""
+    if all(p.grad is None for p in params):
+        part.grads_fresh = True
+        return []
+    return record_gradients(part, params, False, False)
+
+
 def _store(part: Part, k: int, copy: bool):
     def store(grad):
         part.gradients[k] = grad.detach().clone() if copy else grad.detach()
@@ -83,7 +95,7 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
         calls=calls,
         # a mean-reduced loss backpropagates c dl_n/dout / N: the factor N / c undoes it
         factor=None if part.n is None else (part.n if part.reduction == "mean" else 1) / c,
-        check=part.gradients,
+        check=raw if part.grads_fresh else part.gradients,
         check_rtol=None,
         unsynced=raw,
         loss_finite=loss_finite,

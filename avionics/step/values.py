@@ -79,6 +79,9 @@ class Part:
     graph: list[Tensor | None] | None = None
     loss_gradient: Tensor | None = None
     ranks: Tensor | None = None
+    # one batch on one process whose every tracked p.grad was None as its backward began:
+    # p.grad is what the backward gave (no hook recorded ``gradients``; record_fresh_gradients)
+    grads_fresh: bool = False
 
     def scale(self, read: float | None = None) -> float:
         """c: the backward was of c * info["loss"] (1 where no gradient reached the loss, as
