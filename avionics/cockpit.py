@@ -32,7 +32,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from torch.utils.hooks import RemovableHandle
 
 from avionics.configurations import configuration
 from avionics.curvature._data import MathAttention
@@ -53,6 +52,7 @@ from avionics.step.batch import (
     with_finiteness,
 )
 from avionics.step.compute import compute
+from avionics.step.hold import Held, forget_pending, release_hooks, uncompiled
 from avionics.step.output import (
     LEARNING_RATE,
     StepValues,
@@ -71,27 +71,6 @@ from avionics.version import __version__
 OUTPUT_WINDOW = 1000
 
 __all__ = ["LEARNING_RATE", "OUTPUT_WINDOW", "SHARDED_QUANTITIES", "Cockpit", "StepValues"]
-
-
-class _Held:
-    """The cockpit's hold on the process's global state: the armed capture (a global forward
-    hook), the compiler's eager stance, the math attention kernel of a step that
-    differentiates twice. :meth:`release` lets go of all three (a cockpit dropped without
-    ``close()``: every compiled model of the process would run eagerly)."""
-
-    def __init__(self):
-        self.capture = None
-        self.eager = None
-        self.graph_step = None
-
-    def release(self) -> None:
-        if self.capture is not None:
-            self.capture.disarm()
-            self.capture.release()
-        for context in (self.eager, self.graph_step):
-            if context is not None:
-                context.__exit__(None, None, None)
-        self.capture = self.eager = self.graph_step = None
 
 
 class Cockpit:
@@ -156,13 +135,13 @@ class Cockpit:
         if first_step is not None and not checks.is_step(first_step):
             raise ValueError(f"first_step must be a non-negative int, got {first_step!r}.")
         # a torch.compile'd module runs eagerly on the tracked steps (see _eager_if)
-        self._compiled, model = _uncompiled(model)
+        self._compiled, model = uncompiled(model)
         model, self._ddp = unwrap(model)
-        compiled_inside, model = _uncompiled(model)
+        compiled_inside, model = uncompiled(model)
         self._compiled = self._compiled or compiled_inside
         # what the cockpit holds of the process's global state: released by close(), or when
         # the cockpit is garbage-collected without it
-        self._held = _Held()
+        self._held = Held()
         weakref.finalize(self, self._held.release)
         self._sharded = sharded(model, quantities)
         check_ddp_options(self._ddp, quantities)
@@ -537,7 +516,7 @@ class Cockpit:
                     "Cockpit.state_dict() gave for this model and these quantities."
                 ) from error
             raise
-        _release_hooks([start for start in pending.values() if start is not None])
+        release_hooks([start for start in pending.values() if start is not None])
         self._restored = True
 
     def close(self) -> None:
@@ -605,7 +584,7 @@ class Cockpit:
         """Forget the two-step quantities' starts: the step that would end them is lost."""
         for q in self.quantities:
             if isinstance(q, TwoStepQuantity):
-                _forget_pending(q)
+                forget_pending(q)
 
     def _done(self, step: int) -> None:
         """``step`` is over (stored or not): arm for the next."""
@@ -620,7 +599,7 @@ class Cockpit:
         skipped = [q for q in active if q.request(step)]
         for q in skipped:
             if isinstance(q, TwoStepQuantity):
-                _forget_pending(q)  # its start would end after two updates
+                forget_pending(q)  # its start would end after two updates
         warnings.warn(
             f"Step {step}: the cockpit captured no forward pass of its model that this step's "
             f"loss was backpropagated through, so {', '.join(q.name for q in skipped)} are not "
@@ -695,28 +674,3 @@ class Cockpit:
             "outputs": {q.name: q.output.describe() for q in self.quantities},
             "world_size": self._world.size,
         }
-
-
-def _forget_pending(quantity: TwoStepQuantity) -> None:
-    """Drop ``quantity``'s pending start, and with it every hook the start holds (Alpha's on
-    the optimizer's step: left there, it would fire at the user's ``optimizer.step()`` and
-    remove itself while the optimizer iterates over its hooks)."""
-    if quantity.pending is not None:
-        _release_hooks([quantity.pending])
-    quantity.pending = None
-
-
-def _release_hooks(pending: list) -> None:
-    """Remove the hooks that the (step, start) pairs of ``pending`` hold."""
-    for _, start in pending:
-        for held in getattr(start, "__dict__", {}).values():
-            if isinstance(held, RemovableHandle):
-                held.remove()
-
-
-def _uncompiled(model: nn.Module) -> tuple[bool, nn.Module]:
-    """(whether ``model`` is a torch.compile'd module, the module it compiles)."""
-    # (by name: importing torch._dynamo to compare the class takes seconds)
-    if type(model).__name__ == "OptimizedModule" and isinstance(model._orig_mod, nn.Module):
-        return True, model._orig_mod
-    return False, model

@@ -107,11 +107,12 @@ def test_the_economy_floor_counts_what_grad_hist_1d_counts(build, shape):
     assert sum(1 for c in counted if c > 0) > 10  # (the values spread over many bins)
 
 
-@pytest.mark.parametrize("name", ["encoder", "vit"])
+@pytest.mark.parametrize("name", ["encoder", "vit", "gpt2", "bert"])
 def test_the_economy_floor_of_attention_and_root_parameters_equals_avionics(name):
     """nn.MultiheadAttention's in-projection (the floor's own self-attention, with a padding
     mask on the encoder) and the root parameters (the encoder's position table, the ViT's
-    class token and position table): the floor's gradient tests and histogram counts equal
+    class token and position table), and the position tables that indices [1, T] look up for
+    every sample (GPT-2, BERT): the floor's gradient tests and histogram counts equal
     the cockpit's (float64)."""
     from avionics import configuration
     from benchmarks.tools import Avionics
