@@ -115,8 +115,10 @@ class PerSampleEngine(Routing):
                     "with the statistics of the whole batch (train mode), so per-sample "
                     "gradients are not defined. avionics computes each sample's share of the "
                     "batch gradient (sample n's term in backpropagation), which sums to the true "
-                    "gradient. Put BatchNorm layers in eval mode for exact per-sample "
-                    "statistics.",
+                    "gradient. A curvature quantity's GGN columns are shared out the same way, "
+                    "so its diagonal also depends on which factor of the loss Hessian is "
+                    "backpropagated (avionics/curvature/step/loss_root.py). Put BatchNorm "
+                    "layers in eval mode for exact per-sample statistics and curvature.",
                     stacklevel=6,
                 )
 
