@@ -39,6 +39,7 @@ import argparse
 import copy
 import json
 import math
+import os
 import re
 import time
 import warnings
@@ -179,7 +180,11 @@ def _inside_aten(event) -> bool:
 def timing(build, problem: str, rows: list[str], args) -> dict:
     """{"plain_ms": [...], "steps": requested, "rows": {row: {"ratios": [...], "steps":
     [timed, ...]} or {"refused": why}}} at the current thread count."""
-    out = {"plain_ms": [], "rows": {}, "steps": args.steps}
+    threads = torch.get_num_threads()
+    # one thread: this process's CPU time (comparable on a loaded machine); more: wall time
+    clock = time.process_time if threads == 1 else time.perf_counter
+    out = {"plain_ms": [], "rows": {}, "steps": args.steps, "load": os.getloadavg()[0],
+           "clock": "CPU" if threads == 1 else "wall"}  # fmt: skip
     for row in rows:
         why = _refused(row, problem)
         if why:
@@ -190,7 +195,7 @@ def timing(build, problem: str, rows: list[str], args) -> dict:
         try:
             for _ in range(args.repeats):
                 tool, plain, count = time_steps(
-                    build, make(row), "sgd", args.steps, args.warmup, budget
+                    build, make(row), "sgd", args.steps, args.warmup, budget, clock=clock
                 )
                 ratios.append(tool / plain)
                 timed.append(count)
@@ -201,7 +206,7 @@ def timing(build, problem: str, rows: list[str], args) -> dict:
             out["rows"][row] = {"refused": f"{type(error).__name__}: {str(error)[:120]}"}
             continue
         out["rows"][row] = {"ratios": ratios, "steps": timed}
-        print(f"  {problem} {torch.get_num_threads()}t {row}: {_range(ratios)}", flush=True)
+        print(f"  {problem} {threads}t {row}: {_range(ratios)}", flush=True)
     return out
 
 
@@ -351,6 +356,24 @@ def _machine() -> str:
     return ", ".join(parts[:2] + parts[3:])
 
 
+def _clocks(data: dict) -> str:
+    """What timed each thread count, and the machine's load when its problems started."""
+    said = []
+    for threads in sorted({int(k.split("|")[1]) for k in data.get("timing", {})}):
+        cells = [v for k, v in data["timing"].items() if int(k.split("|")[1]) == threads]
+        clock = {c.get("clock", "wall") for c in cells}
+        loads = [c["load"] for c in cells if "load" in c]
+        text = f"{threads} thread{'s' * (threads > 1)}: " + "/".join(
+            "CPU time of the process" if c == "CPU" else "wall time" for c in sorted(clock)
+        )
+        if threads > 1:
+            text += f" (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')})"
+        if loads:
+            text += f", load average {min(loads):.1f}-{max(loads):.1f} (shared machine)"
+        said.append(text)
+    return "Clocks: " + "; ".join(said) + "." if said else ""
+
+
 def _stored() -> dict:
     """The data kept in this section of BENCHMARKS.md by the last run (empty if none)."""
     text = BENCHMARKS_MD.read_text() if BENCHMARKS_MD.exists() else ""
@@ -455,7 +478,7 @@ def _report(args, data: dict) -> None:
         + ". "
         f"Every step tracked; median of {args.steps} timed steps after {args.warmup} warm-up "
         f"steps, {args.repeats} repeats (the range), each row's steps alternating with a plain "
-        "SGD step (lr 1e-3) on a copy of the model, synthetic data.",
+        "SGD step (lr 1e-3) on a copy of the model, synthetic data. " + _clocks(data),
         "Rows: avionics with the quantities named; 'floor X', the least exact work X adds, "
         "hand-written; the peers computing the per-sample squared gradient norms of all "
         "parameters (what NormTest needs). 'x plain' = row step / plain step; 'extra / "
