@@ -11,12 +11,14 @@ on the whole batch, the plans taking turns, ``--repeats`` rounds, the median of 
 time (one thread) counts. The row gives the plan the rule takes, the fastest, and the rule's
 time over the fastest's.
 
-Run: ``python -m benchmarks.conv_plans`` (a few minutes), ``--repeats 3``.
+The table is written into BENCHMARKS.md, inside "Measurements behind the engine's choices".
+Run: ``python -m benchmarks.conv_plans`` (a few minutes), ``--repeats 3``, ``--no-write``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -26,9 +28,10 @@ from torch.nn import functional as F
 
 from avionics.persample import Request
 from avionics.persample.rules import bilinear
-from benchmarks.report import machine, table
+from benchmarks.report import machine, table, write_section
 from tests.models import captured_engine_step
 
+SECTION = "conv-plans"
 # name -> (layer, per-sample input shape, batch)
 LAYERS = {
     "3c3d conv1 3->64 5x5, 32x32": (lambda: nn.Conv2d(3, 64, 5), (3, 32, 32), 32),
@@ -127,9 +130,11 @@ def measure(layer: str, request: str, repeats: int) -> tuple[str, dict[str, floa
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--layers", nargs="*", default=list(LAYERS))
+    parser.add_argument("--layers", nargs="*", default=list(LAYERS), choices=list(LAYERS))
+    parser.add_argument("--no-write", action="store_true", help="print only")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    load = os.getloadavg()[0]
     rows = []
     for layer in args.layers:
         for request in REQUESTS:
@@ -143,8 +148,15 @@ def main(argv=None) -> None:
                          others])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
     header = ["layer", "request", "the rule's plan", "fastest", "rule / fastest", "ms per plan"]
-    print(machine())
-    print(table(header, rows))
+    markdown = "\n\n".join([
+        "### Convolution plans timed on the whole batch (issue 25, helper first)",
+        machine() + f"; load average {load:.1f} when it started (shared machine: CPU time).",
+        " ".join(__doc__.split("\n\n")[1].split()),
+        table(header, rows),
+    ])  # fmt: skip
+    print(markdown)
+    if not args.no_write:
+        write_section(SECTION, markdown)
 
 
 if __name__ == "__main__":

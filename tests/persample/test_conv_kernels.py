@@ -193,8 +193,10 @@ def rule_plan(make_layer, shape, request, dtype=torch.float64) -> str:
 @pytest.mark.parametrize(
     "layer, shape, plan",
     [
-        # groups: the grouped convolution (4x faster than unfolding on a depthwise layer)
+        # one channel per group: the grouped convolution (4x faster than unfolding)
         (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4), (4, 8, 8), f"G_n by {conv.GROUPED}"),
+        # 8 input channels per group, without windows (groups): unfolding
+        (lambda: nn.Conv2d(16, 4, 3, padding=1, groups=2), (16, 8, 8), "G_n by unfold + bmm"),
         # fewer than 8 input channels: the grouped convolution
         (lambda: nn.Conv2d(3, 8, 3, padding=1), (3, 8, 8), f"G_n by {conv.GROUPED}"),
         # wide, stride 1, 64 output positions: the windows of the flat input
@@ -299,3 +301,16 @@ def test_rules_do_not_keep_themselves_alive():
         assert [r() for r in refs] == [None] * 3
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_the_checks_total_by_the_weight_gradient_kernel_matches_the_loop(layer):
+    """sum_n g_n (what the engine checks against autograd at a first step), formed by the
+    convolution's weight-gradient kernel, equals the sum of the loop's per-sample gradients."""
+    model, X, y, loss_fn = problem(*LAYERS[layer])
+    _, step, _, params = models.captured_engine_step(model, X, y, loss_fn)
+    reference = models.per_sample_gradients(model, X, y, loss_fn, params)
+    rule = next(r for r in step.rules.values() if isinstance(r, conv.ConvRule))
+    for total, p in zip(rule.total(), rule.params, strict=True):
+        k = next(i for i, q in enumerate(params) if q is p)
+        torch.testing.assert_close(total, reference[k].sum(0), rtol=RTOL, atol=ATOL)

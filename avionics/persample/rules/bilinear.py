@@ -366,7 +366,8 @@ class BilinearRule(Rule):
         return None
 
     def _bias(self) -> Tensor:
-        bias = self.delta.sum(2).flatten(1)
+        d = self.delta  # without shared axes (T = 1) the bias's g_n is delta_n itself: a view
+        bias = d.reshape(len(d), -1) if d.shape[2] == 1 else d.sum(2).flatten(1)
         return bias if self.delta_scale == 1 else bias * self.delta_scale
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:

@@ -29,12 +29,17 @@ from avionics.persample.rules.bilinear import (
 from avionics.persample.rules.kernels import LayerKernels
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_WEIGHT_GRADIENT = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
 # The layer's own kernels (see ConvRule.kernels).
 GROUPED = "grouped convolution"
 WINDOWS = "windows of the flat input"
 CONVOLUTION = "the layer's convolution"
-# Fewest input channels of a 2d convolution with one group from which its G_n are not formed
-# by the grouped convolution, and fewest output positions from which they are formed by the
+# Fewest input channels per group of a 2d convolution from which its G_n are not formed by the
+# grouped convolution, and fewest output positions from which they are formed by the
 # windows of the flat input (BENCHMARKS.md, "Measurements behind the engine's choices").
 _WIDE_CHANNELS = 8
 _WINDOW_POSITIONS = 64
@@ -98,9 +103,9 @@ class ConvRule(BilinearRule):
         convolution; :mod:`kernels` takes the ones this rule names.
 
         The rule (BENCHMARKS.md, "Measurements behind the engine's choices", from
-        ``benchmarks/conv_plans.py``): G_n by the grouped convolution for layers with groups
-        and for 2d convolutions with fewer than _WIDE_CHANNELS input channels (1.6-4.5x faster
-        than unfolding there), by the windows where they apply and the output has at least
+        ``benchmarks/conv_plans.py``): G_n by the grouped convolution for 2d layers with
+        fewer than _WIDE_CHANNELS input channels per group (1.6-4.5x faster than unfolding
+        there), by the windows where they apply and the output has at least
         _WINDOW_POSITIONS positions (fewer make k_h k_w small products: 1.7-2.4x slower than
         unfolding), else by unfolding; G_n . V by the layer's own convolution."""
         m = self.module
@@ -108,7 +113,7 @@ class ConvRule(BilinearRule):
         positions = min(math.prod(d.shape[2:]) for d in self.raw_deltas)
         if _plain_2d(m) and tuple(m.stride) == (1, 1):
             gradients[WINDOWS] = self._window_gradients
-        if m.groups > 1 or (_plain_2d(m) and m.in_channels < _WIDE_CHANNELS):
+        if m.weight.dim() == 4 and m.in_channels // m.groups < _WIDE_CHANNELS:
             prior = GROUPED
         elif WINDOWS in gradients and positions >= _WINDOW_POSITIONS:
             prior = WINDOWS
@@ -225,6 +230,28 @@ class ConvRule(BilinearRule):
             g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
             total = g.contiguous() if total is None else total.add_(g)
         return total.mul_(self.output_gradient_factor)
+
+    def total(self) -> list[Tensor]:
+        """sum_n g_n per parameter, for the engine's check against autograd: the weight's by
+        the convolution's own weight-gradient kernel on each call's captured input and output
+        gradient (sum_n G_n = sum_{n,t} delta_{n,t} x^unf_{n,t}^T, without unfolding: the
+        check runs at a process's first step, which unfolding made 20% slower)."""
+        m = self.module
+        weight_gradient = _WEIGHT_GRADIENT[len(m.kernel_size)]
+        out = []
+        for name in self.names:
+            if name != "weight":
+                out.append(self._bias().sum(0))
+                continue
+            total = None
+            for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+                x, padding = _padded(m, x)
+                g = weight_gradient(
+                    x, m.weight.shape, d.to(x.dtype), m.stride, padding, m.dilation, m.groups
+                )
+                total = g if total is None else total + g
+            out.append(total * self.output_gradient_factor)
+        return out
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
