@@ -127,12 +127,16 @@ def reference_refuses(problem: str) -> str | None:
     return None
 
 
-def time_steps(problem, make_tool, kind, steps, warmup, budget_s, min_steps=5):
+def time_steps(
+    problem, make_tool, kind, steps, warmup, budget_s, min_steps=5, clock=time.perf_counter
+):
     """(median tool step, median plain step, timed steps), the two copies alternating.
 
     ``problem`` is a name of ``PROBLEMS`` or a builder returning ``(model, X, y, loss_fn)``;
     ``make_tool(model, loss_fn)`` builds the tool; timing stops after ``budget_s`` seconds once
-    ``min_steps`` steps are timed.
+    ``min_steps`` steps are timed. ``clock`` times the steps (wall time by default;
+    ``time.process_time`` for this process's CPU time, what a loaded machine leaves
+    comparable with one thread).
     """
     model, X, y, loss_fn = (PROBLEMS[problem] if isinstance(problem, str) else problem)()
     plain = Plain(copy.deepcopy(model), loss_fn, kind)
@@ -141,12 +145,12 @@ def time_steps(problem, make_tool, kind, steps, warmup, budget_s, min_steps=5):
     start = time.perf_counter()
     for k in range(warmup + steps):
         tool.pause()
-        t0 = time.perf_counter()
+        t0 = clock()
         plain.step(k, X, y)
-        t1 = time.perf_counter()
+        t1 = clock()
         tool.resume()
         tool.step(k, X, y)
-        t2 = time.perf_counter()
+        t2 = clock()
         if k >= warmup:
             t_plain.append(t1 - t0)
             t_tool.append(t2 - t1)

@@ -98,3 +98,14 @@ def test_curvature_operators_keeps_the_rows_it_does_not_measure():
     assert kept_rows(section, "MLP") == {"GGN": ["1.0", "2.0"], "KFAC": ["3.0", "4.0"]}
     assert kept_rows(section, "3c3d") == {"KFAC": ["5.0", "n/a (RuntimeError)", ""]}
     assert kept_rows(section, "GPT") == {}
+
+
+def test_conv_plans_times_every_plan_and_the_rules_choice_is_one_of_them(capsys):
+    from benchmarks import conv_plans
+
+    conv_plans.main(["--repeats", "1", "--no-write", "--layers", "ResNet 36->36 3x3, 4x4"])
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| ResNet")]
+    assert len(rows) == len(conv_plans.REQUESTS)
+    for row in rows:
+        _, rule, fastest, ratio, times = [cell.strip() for cell in row.strip("|").split("|")][1:]
+        assert rule in times and fastest in times and float(ratio) >= 1.0

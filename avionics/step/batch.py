@@ -78,7 +78,7 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
     raw = part.gradients
     if raw is None or not several:
         raw = [local(p.grad).detach() if p.grad is not None else None for p in params]
-    c, loss_finite, gradients_finite = read_after_backward(part, raw, several)
+    c, loss_finite, gradients_finite, norms = read_after_backward(part, raw, several)
     gradients = [unscaled(g, c) for g in raw]
     # (the engine casts captured 16-bit tensors to float32 itself, with the check's rtol)
     calls = part.capture.calls_by_module() if part.capture is not None else None
@@ -100,6 +100,8 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
         unsynced=raw,
         loss_finite=loss_finite,
         gradients_finite=gradients_finite,
+        # the check's norms are the gradients' own where the backward had no scale
+        gradient_norms=norms if c == 1 else None,
     )
 
 
@@ -110,22 +112,26 @@ def _with_graph(part: Part, params: list) -> list:
 
 def read_after_backward(part: Part, raw: list, several: bool):
     """(c, whether the loss is finite, whether the gradients ``raw`` as backpropagated are
-    finite), in one host transfer; the finiteness on one process only (None under data
-    parallelism, where the processes decide it together)."""
+    finite, their norms [||raw_k||] where every parameter has one), in one host transfer;
+    the finiteness and norms on one process only (None under data parallelism, where the
+    processes decide it together)."""
     scalars = [] if part.loss_gradient is None else [part.loss_gradient.reshape(())]
     present = [g for g in raw if g is not None]
+    norms = None
     if not several:
         scalars.append(torch.isfinite(part.loss).reshape(()))
         if present:
-            scalars.append(torch.stack(torch._foreach_norm(present)).isfinite().all())
+            norms = torch.stack(torch._foreach_norm(present))
+            scalars.append(norms.isfinite().all())
     if not scalars:
-        return 1.0, None, None
+        return 1.0, None, None, None
     device = scalars[0].device
     read = torch.stack([s.to(device, torch.float64) for s in scalars]).tolist()
     c = part.scale(read.pop(0)) if part.loss_gradient is not None else 1.0
     if several:
-        return c, None, None
-    return c, bool(read[0]), bool(read[1]) if present else True
+        return c, None, None, None
+    whole = norms if len(present) == len(raw) else None
+    return c, bool(read[0]), bool(read[1]) if present else True, whole
 
 
 def settled(batch: Batch, combined: Combined) -> Batch:

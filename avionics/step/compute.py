@@ -65,6 +65,8 @@ def compute(
             layout=processes.layout if processes.sharded else None,
         ),
     )
+    if combined.gradient_norms is not None and mean_grad is grads and world.size == 1:
+        data.cache.g_norms = combined.gradient_norms  # (computed for the finiteness check)
     if request:
         data.captured = engine.step(
             combined.calls,

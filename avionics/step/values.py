@@ -120,7 +120,9 @@ class Combined:
     graph, the captured calls and their output-gradient factor, the engine check's gradients
     (``check`` times ``factor`` is sum_n g_n) and its tolerance, the gradients as
     backpropagated (what DDP would average), and, where they were read with the scale (one
-    batch on one process), whether the loss and the gradients are finite."""
+    batch on one process), whether the loss and the gradients are finite and, without a
+    scale, the gradients' norms [||g^(k)||] (read for the finiteness; shared with the
+    quantities)."""
 
     single: bool
     scale: float
@@ -138,6 +140,7 @@ class Combined:
     scaled: bool | None = None
     loss_finite: bool | None = None
     gradients_finite: bool | None = None
+    gradient_norms: Tensor | None = None
 
     def __post_init__(self):
         if self.scaled is None:

@@ -1,9 +1,9 @@
-"""Convolution per-sample kernels chosen by a measured cost model (issue 17).
+"""Convolution per-sample kernels chosen by a fixed per-shape rule (issues 17 and 25).
 
 Every plan of a convolution (G_n by unfolding, by windows of the flat input, by one grouped
 convolution; the Gram form with projections by the unfolded input or the layer's own
 convolution) is forced in turn and checked against the loop over samples in float64; the
-choice itself is tested with a deterministic clock: made once per layer shape, logged once.
+rule's choice is checked per layer shape: the same for every dtype and run, logged once.
 """
 
 import logging
@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from avionics.persample import Request
-from avionics.persample.rules import conv, kernels
+from avionics.persample.rules import bilinear, conv, kernels
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -62,11 +62,11 @@ PROJECTION = Request(directions=frozenset({"other"}))
 
 
 @pytest.fixture(autouse=True)
-def fresh_choices():
-    """Each test starts without measured choices and leaves none behind."""
-    kernels.CHOICES.clear()
+def fresh_log():
+    """Each test starts with no choice logged and leaves none behind."""
+    kernels.LOGGED.clear()
     yield
-    kernels.CHOICES.clear()
+    kernels.LOGGED.clear()
 
 
 def ce(out, y):
@@ -169,56 +169,78 @@ def test_the_3c3d_network_matches_the_loop_by_every_kernel():
             assert_matches_the_loop(model, X, y, ce, requests)
 
 
-def test_the_choice_is_measured_once_kept_and_logged_once(monkeypatch, caplog):
-    """The fastest plan by the (fake) clock wins whichever it is; a second step reuses it
-    without timing, and the layer's choice is logged once."""
-    monkeypatch.setattr(kernels, "MEASURED_FLOPS", 0)  # measure even this small layer
-    timed: list[str] = []
+def rule_plan(make_layer, shape, request, dtype=torch.float64) -> str:
+    """The plan the layer's rule takes for ``request`` (no plan forced)."""
+    model, X, y, loss_fn = problem(make_layer, shape)
+    model, X = model.to(dtype), X.to(dtype)
+    _, step, mean_grad, _ = models.captured_engine_step(model, X, y, loss_fn)
+    taken = []
+    original = bilinear.choose
 
-    def fake_seconds(plans, n, samples, device):
-        timed.extend(plans)
-        return {name: costs[name] for name in plans}
+    def record(key, plans, prior, describe):
+        taken.append(original(key, plans, prior, describe))
+        return taken[-1]
 
-    monkeypatch.setattr(kernels, "_seconds", fake_seconds)
-    # T = 4 positions: the Gram form, 16 (81 + 8) FLOPs, is within 3x of materialising
+    bilinear.choose = record
+    try:
+        step.statistics(request, {d: mean_grad for d in request.directions})
+    finally:
+        bilinear.choose = original
+    (name,) = taken
+    return name
+
+
+@pytest.mark.parametrize(
+    "layer, shape, plan",
+    [
+        # one channel per group: the grouped convolution (4x faster than unfolding)
+        (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4), (4, 8, 8), f"G_n by {conv.GROUPED}"),
+        # 8 input channels per group, without windows (groups): unfolding
+        (lambda: nn.Conv2d(16, 4, 3, padding=1, groups=2), (16, 8, 8), "G_n by unfold + bmm"),
+        # fewer than 8 input channels: the grouped convolution
+        (lambda: nn.Conv2d(3, 8, 3, padding=1), (3, 8, 8), f"G_n by {conv.GROUPED}"),
+        # wide, stride 1, 64 output positions: the windows of the flat input
+        (lambda: nn.Conv2d(8, 4, 3, padding=1), (8, 8, 8), f"G_n by {conv.WINDOWS}"),
+        # wide, stride 1, 36 output positions: unfolding (the windows are small products)
+        (lambda: nn.Conv2d(8, 4, 3, padding=1), (8, 6, 6), "G_n by unfold + bmm"),
+        # wide, stride 2: unfolding
+        (lambda: nn.Conv2d(8, 4, 3, stride=2, padding=1), (8, 16, 16), "G_n by unfold + bmm"),
+        # 1d: unfolding
+        (lambda: nn.Conv1d(8, 4, 3), (8, 70), "G_n by unfold + bmm"),
+    ],
+)
+def test_the_rule_forms_materialised_gradients_by_the_layers_shape(layer, shape, plan):
+    visitor = Request(visitors=(lambda index, chunk: None,))
+    assert rule_plan(layer, shape, visitor) == plan
+
+
+def test_the_rule_projects_by_the_layers_convolution():
+    layer, shape = (lambda: nn.Conv2d(3, 8, 3, padding=1)), (3, 8, 8)
+    assert rule_plan(layer, shape, PROJECTION) == f"projections by {conv.CONVOLUTION}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_choice_is_the_same_for_every_dtype_and_run(dtype):
+    """Deterministic: the same plan for float32 and float64, in one run and the next."""
     layer, shape = (lambda: nn.Conv2d(9, 8, 3)), (9, 4, 4)
-    costs = {
-        f"G_n by {conv.GROUPED}": 3.0,
-        f"G_n by {conv.WINDOWS}": 1.0,  # the fastest by the fake clock
-        "G_n by unfold + bmm": 2.0,
-        "Gram form": 5.0,
-    }
+    first = rule_plan(layer, shape, NORMS, dtype)
+    kernels.LOGGED.clear()
+    assert rule_plan(layer, shape, NORMS, dtype) == first == "Gram form"
+
+
+def test_the_choice_is_logged_once_per_layer_and_request(caplog):
+    """A second step takes the same plan without a second log line; the line names the layer,
+    the request, the plan and the FLOPs of the others over its."""
+    layer, shape = (lambda: nn.Conv2d(9, 8, 3)), (9, 4, 4)
     with caplog.at_level(logging.INFO, logger="avionics"):
         for _ in range(2):
             assert_matches_the_loop(*problem(layer, shape), [NORMS])
-    assert sorted(timed) == sorted(costs)  # each plan timed once, at the first step
-    (choice,) = kernels.CHOICES.values()
-    assert choice.name == f"G_n by {conv.WINDOWS}"
     (record,) = [r for r in caplog.records if r.getMessage().startswith("conv Conv2d(9, 8")]
     message = record.getMessage()
     assert record.levelno == logging.INFO
-    assert "[N, 9, 4, 4] -> [N, 8, 2, 2], squared norms: G_n by windows" in message
-    assert "(1000.00 ms vs G_n by unfold + bmm 2000.00 ms, G_n by grouped convolution" in message
-
-
-def test_plans_far_apart_in_flops_are_not_timed(monkeypatch, caplog):
-    """The Gram form of a layer with many output positions takes far more FLOPs than
-    materialising G_n: it is ruled out without running, and the log says so."""
-    monkeypatch.setattr(kernels, "MEASURED_FLOPS", 0)
-    layer, shape = (lambda: nn.Conv2d(2, 3, 3)), (2, 12, 12)  # T = 100, I = 18, O = 3
-    with caplog.at_level(logging.INFO, logger="avionics"):
-        assert_matches_the_loop(*problem(layer, shape), [NORMS])
-    (choice,) = kernels.CHOICES.values()
-    assert choice.name.startswith("G_n by") and "Gram form" not in choice.seconds
-    assert choice.skipped["Gram form"] == pytest.approx(100 * 100 * 21 / (100 * 18 * 3 + 18 * 3))
-    assert "not timed, FLOPs over the cheapest: Gram form" in caplog.text
-
-
-def test_small_layers_take_the_prior_plan_unmeasured(monkeypatch):
-    """Below MEASURED_FLOPS nothing is timed or kept: the prior plan runs."""
-    monkeypatch.setattr(kernels, "_seconds", lambda *args: pytest.fail("timed a small layer"))
-    assert_matches_the_loop(*problem(*LAYERS["2d dilation 2"]), [NORMS, PROJECTION])
-    assert kernels.CHOICES == {}
+    assert "[N, 9, 4, 4] -> [N, 8, 2, 2], squared norms: Gram form (by the layer's rule" in message
+    # T = 4 positions: materialising takes 4 * 81 * 8 + 81 * 8 FLOPs, the Gram form 16 * 89
+    assert f"G_n by unfold + bmm {(4 * 648 + 648) / (16 * 89):.1f}x" in message
 
 
 def test_forcing_a_plan_the_layer_lacks_names_the_plans():
@@ -250,27 +272,17 @@ def test_tied_weights_sum_the_gradients_of_every_kernel(kernel):
         assert_matches_the_loop(model, X, y, ce, [NORMS, NORMS_AND_PROJECTIONS])
 
 
-def test_visitors_see_each_sample_once_when_the_choice_is_measured(monkeypatch):
-    """The timing runs leave the visitors (histograms) out: each sample's g_n reaches them
-    once, equal to the loop's."""
-    monkeypatch.setattr(kernels, "MEASURED_FLOPS", 0)
+def test_visitors_see_each_sample_once():
+    """The materialised gradients reach the visitors (histograms) once per sample, equal to
+    the loop's."""
     model, X, y, loss_fn = problem(*LAYERS["2d wide stride 1"])
     _, step, _, params = models.captured_engine_step(model, X, y, loss_fn)
     reference = models.per_sample_gradients(model, X, y, loss_fn, params)
     seen: dict[int, list] = {}
     step.statistics(Request(visitors=(lambda k, chunk: seen.setdefault(k, []).append(chunk),)), {})
-    assert kernels.CHOICES  # the convolution's plan was measured
     for k, ref in enumerate(reference):
         chunks = [c if isinstance(c, torch.Tensor) else c.materialize() for c in seen[k]]
         torch.testing.assert_close(torch.cat(chunks), ref, rtol=RTOL, atol=ATOL)
-
-
-def test_beyond_max_choices_new_layers_take_the_prior_plan(monkeypatch):
-    monkeypatch.setattr(kernels, "MEASURED_FLOPS", 0)
-    monkeypatch.setattr(kernels, "MAX_CHOICES", 0)
-    monkeypatch.setattr(kernels, "_seconds", lambda *args: pytest.fail("timed past the cap"))
-    assert_matches_the_loop(*problem(*LAYERS["2d wide stride 1"]), [NORMS, PROJECTION])
-    assert kernels.CHOICES == {}
 
 
 def test_rules_do_not_keep_themselves_alive():
@@ -291,45 +303,14 @@ def test_rules_do_not_keep_themselves_alive():
         gc.enable()
 
 
-def test_timing_takes_turns_and_extrapolates_the_fastest_run_to_the_batch(monkeypatch):
-    """With a clock that each run advances by its plan's cost per sample times its samples
-    (plus a one-off warm-up on the first run of each plan), every plan's estimate is its
-    cost per sample times n: the warm-up is discarded, the plans run in turns, and those
-    clearly slower than the fastest stop running."""
-    now, order = [0.0], []
-
-    def plan(name, per_sample):
-        def run(start, stop):
-            order.append(name)
-            now[0] += per_sample * (stop - start) + (10.0 if order.count(name) == 1 else 0.0)
-
-        return kernels.Plan(flops=1.0, run=run)
-
-    monkeypatch.setattr(kernels, "_clock", lambda device: now[0])
-    plans = {"a": plan("a", 2.0), "b": plan("b", 1.5), "c": plan("c", 0.1)}
-    seconds = kernels._seconds(plans, 100, 4, torch.device("cpu"))
-    # the first round has the warm-ups (a 18, b 16, c 10.4); after the second (a 8, b 6,
-    # c 0.4) a and b are clearly slower and sit the third out
-    assert seconds == pytest.approx({"a": 200.0, "b": 150.0, "c": 10.0})
-    assert order == ["a", "b", "c", "a", "b", "c", "c"]
-
-
-def test_the_prior_plan_stays_unless_another_is_clearly_faster(monkeypatch, caplog):
-    """The small layer's prior is the Gram form (fewer FLOPs than materialising): a plan
-    measured 10% faster does not replace it (one 5x faster does: the test above), and the log
-    says why."""
-    monkeypatch.setattr(kernels, "MEASURED_FLOPS", 0)
-    costs = {
-        f"G_n by {conv.GROUPED}": 3.0,
-        f"G_n by {conv.WINDOWS}": 1.0,
-        "G_n by unfold + bmm": 2.0,
-        "Gram form": 1.1,
-    }
-    monkeypatch.setattr(
-        kernels, "_seconds", lambda plans, *args: {name: costs[name] for name in plans}
-    )
-    with caplog.at_level(logging.INFO, logger="avionics"):
-        assert_matches_the_loop(*problem(lambda: nn.Conv2d(9, 8, 3), (9, 4, 4)), [NORMS])
-    (choice,) = kernels.CHOICES.values()
-    assert choice.name == choice.prior == "Gram form"
-    assert f"the prior plan, kept: none is {kernels.PRIOR_MARGIN:g}x faster" in caplog.text
+@pytest.mark.parametrize("layer", sorted(LAYERS))
+def test_the_checks_total_by_the_weight_gradient_kernel_matches_the_loop(layer):
+    """sum_n g_n (what the engine checks against autograd at a first step), formed by the
+    convolution's weight-gradient kernel, equals the sum of the loop's per-sample gradients."""
+    model, X, y, loss_fn = problem(*LAYERS[layer])
+    _, step, _, params = models.captured_engine_step(model, X, y, loss_fn)
+    reference = models.per_sample_gradients(model, X, y, loss_fn, params)
+    rule = next(r for r in step.rules.values() if isinstance(r, conv.ConvRule))
+    for total, p in zip(rule.total(), rule.params, strict=True):
+        k = next(i for i, q in enumerate(params) if q is p)
+        torch.testing.assert_close(total, reference[k].sum(0), rtol=RTOL, atol=ATOL)

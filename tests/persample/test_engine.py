@@ -108,8 +108,9 @@ class ConvTwice(nn.Module):
 
 
 def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
-    """2d convolutions with stride 1, one group and enough input channels form G_n from
-    windows of their flat padded input (ConvRule.gradients), not by unfolding."""
+    """2d convolutions with stride 1, one group, enough input channels and at least
+    _WINDOW_POSITIONS output positions form G_n from windows of their flat padded input
+    (ConvRule.kernels), not by unfolding."""
     from avionics.persample.rules import conv
 
     used = []
@@ -123,10 +124,10 @@ def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
     monkeypatch.setattr(conv.ConvRule, "_window_gradients", spy)
     c = conv._WIDE_CHANNELS
     for layers, shape in [
-        ([nn.Conv2d(c, 3, (3, 2), padding=(1, 2), dilation=(2, 1))], (c, 6, 5)),
-        ([nn.Conv2d(c, 3, 3, padding="same", padding_mode="reflect", bias=False)], (c, 5, 7)),
-        ([nn.Conv2d(c, 4, (1, 4), padding="valid"), nn.ReLU()], (c, 3, 6)),
-        ([ConvTwice(c)], (c, 4, 4)),
+        ([nn.Conv2d(c, 3, (3, 2), padding=(1, 2), dilation=(2, 1))], (c, 9, 8)),  # 7 x 11
+        ([nn.Conv2d(c, 3, 3, padding="same", padding_mode="reflect", bias=False)], (c, 8, 9)),
+        ([nn.Conv2d(c, 4, (1, 4), padding="valid"), nn.ReLU()], (c, 8, 11)),  # 8 x 8
+        ([ConvTwice(c)], (c, 8, 8)),
     ]:
         used.clear()
         model = nn.Sequential(*layers, nn.Flatten(), nn.LazyLinear(3))
@@ -135,10 +136,10 @@ def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
         assert used and all(used)
 
 
-def test_narrow_convolutions_project_through_the_unfolded_input(monkeypatch):
-    """G_n . V of a 2d convolution with few input channels comes from its unfolded input (the
-    convolution kernel is slow there); with more channels, from the layer's own convolution.
-    Both exact; the chunked unfolding is exercised with chunks of one sample."""
+def test_convolutions_project_through_their_own_convolution(monkeypatch):
+    """G_n . V of a 2d convolution, narrow or wide, comes from the layer's own convolution,
+    exact; its chunks of samples (and the chunked unfolding) are exercised with chunks of one
+    sample."""
     from avionics.persample.rules import base, bilinear, conv
 
     calls = []
@@ -146,10 +147,10 @@ def test_narrow_convolutions_project_through_the_unfolded_input(monkeypatch):
     monkeypatch.setattr(
         conv.ConvRule,
         "_convolved_projection",
-        lambda self, v: calls.append(self.module.in_channels) or convolved(self, v),
+        lambda self, v, *r: calls.append(self.module.in_channels) or convolved(self, v, *r),
     )
-    monkeypatch.setattr(bilinear, "chunk_size", lambda n, numel, size: 1)
-    monkeypatch.setattr(base, "chunk_size", lambda n, numel, size: 1)
+    for module in (bilinear, base, conv):
+        monkeypatch.setattr(module, "chunk_size", lambda n, numel, size: 1)
     c = conv._WIDE_CHANNELS
     model = nn.Sequential(
         nn.Conv2d(1, c + 4, 3, padding=1),  # narrow, more outputs than inputs (9 per output)
@@ -162,7 +163,7 @@ def test_narrow_convolutions_project_through_the_unfolded_input(monkeypatch):
     )
     model(torch.randn(1, 1, 6, 7))  # materialise the lazy layer
     assert_exact(*classification(model, (1, 6, 7)))
-    assert calls and set(calls) == {c + 4}
+    assert calls and set(calls) == {1, c + 4, c - 1}
 
 
 def test_normalisation_layers_and_batchnorm_in_eval():

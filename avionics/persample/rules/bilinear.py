@@ -34,7 +34,7 @@ from torch import Tensor
 from avionics.persample.request import Accumulator, OuterProducts, Request
 from avionics.persample.rules.base import Rule, chunk_size
 from avionics.persample.rules.factored import FactoredDirection, dense
-from avionics.persample.rules.kernels import LayerKernels, Plan, choose, timing_samples
+from avionics.persample.rules.kernels import LayerKernels, Plan, choose
 
 # The kernels every bilinear form has: G_n as the einsum of delta and the (unfolded) input,
 # G_n . V by mapping V onto the smaller side; and the prefix of the plans that materialise G_n.
@@ -153,14 +153,7 @@ class Bilinear:
             # has one way to (what _choose would pick, without building the plans each step)
             return self._materialised(request, directions, index, UNFOLDED_GRADIENTS, 0, self.n)
         plans = self._plans(request, directions, index)
-        if request.visitors:  # timed without them: they must see each sample once
-            quiet = self._materialised_plans(
-                dataclasses.replace(request, visitors=()), directions, index
-            )
-            name = self._choose(request, directions, quiet)
-        else:
-            name = self._choose(request, directions, plans)
-        return plans[name].run(0, self.n)
+        return plans[self._choose(request, directions, plans)].run(0, self.n)
 
     def _plans(self, request: Request, directions, index: int) -> dict[str, Plan]:
         """The exact ways to answer ``request`` with directions ``directions``, by name.
@@ -215,13 +208,7 @@ class Bilinear:
         kind = (request.sq_norms, request.sum_sq, bool(request.visitors), len(directions))
         asked = _describe_request(request, len(directions))
         return choose(
-            (*self.kernels.key, kind),
-            plans,
-            self.n,
-            timing_samples(self.n, self.groups * self.t * self.i * self.o),
-            prior,
-            lambda: f"{self.kernels.describe()}, {asked}",
-            self.delta.device,
+            (*self.kernels.key, kind), plans, prior, lambda: f"{self.kernels.describe()}, {asked}"
         )
 
     def _materialised(self, request, directions, index: int, kernel: str, start, stop) -> dict:
@@ -379,7 +366,8 @@ class BilinearRule(Rule):
         return None
 
     def _bias(self) -> Tensor:
-        bias = self.delta.sum(2).flatten(1)
+        d = self.delta  # without shared axes (T = 1) the bias's g_n is delta_n itself: a view
+        bias = d.reshape(len(d), -1) if d.shape[2] == 1 else d.sum(2).flatten(1)
         return bias if self.delta_scale == 1 else bias * self.delta_scale
 
     def materialize(self, start: int, stop: int) -> list[Tensor]:

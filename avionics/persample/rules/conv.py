@@ -15,22 +15,34 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from avionics.persample.rules.base import ColumnSums, batch_first, concatenate, output_gradient
+from avionics.persample.rules.base import (
+    ColumnSums,
+    batch_first,
+    chunk_size,
+    concatenate,
+    output_gradient,
+)
 from avionics.persample.rules.bilinear import (
     UNFOLDED_GRADIENTS,
-    UNFOLDED_PROJECTIONS,
     BilinearRule,
 )
 from avionics.persample.rules.kernels import LayerKernels
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_WEIGHT_GRADIENT = {
+    1: torch.nn.grad.conv1d_weight,
+    2: torch.nn.grad.conv2d_weight,
+    3: torch.nn.grad.conv3d_weight,
+}
 # The layer's own kernels (see ConvRule.kernels).
 GROUPED = "grouped convolution"
 WINDOWS = "windows of the flat input"
 CONVOLUTION = "the layer's convolution"
-# Fewest input channels of a 2d convolution for which its own kernels beat unfolding, taken
-# where the choice is not measured (BENCHMARKS.md, "Measurements behind the engine's choices").
+# Fewest input channels per group of a 2d convolution from which its G_n are not formed by the
+# grouped convolution, and fewest output positions from which they are formed by the
+# windows of the flat input (BENCHMARKS.md, "Measurements behind the engine's choices").
 _WIDE_CHANNELS = 8
+_WINDOW_POSITIONS = 64
 # Bytes of pending column gradients a convolution may hold before they are reduced, and of
 # one chunk of per-sample, per-column convolution gradients (kept small: it stays in cache).
 CONV_PENDING_BYTES = 64 * 2**20
@@ -88,23 +100,30 @@ class ConvRule(BilinearRule):
     def kernels(self) -> LayerKernels:
         """The layer's own kernels: G_n by one grouped convolution, by windows of the flat
         input (2d convolutions with stride 1 and one group), and G_n . V by the layer's own
-        convolution; the choice among them and the unfolded forms is measured (:mod:`kernels`).
+        convolution; :mod:`kernels` takes the ones this rule names.
 
-        Unmeasured (small layers), the prior follows BENCHMARKS.md, "Measurements behind the
-        engine's choices": 2d convolutions with one group and fewer than _WIDE_CHANNELS input
-        channels unfold (their own kernels are slower there, and their unfolded input is only
-        prod(kernel) times a few channels); wider ones take the windows where they apply and
-        their own convolution for projections."""
+        The rule (BENCHMARKS.md, "Measurements behind the engine's choices", from
+        ``benchmarks/conv_plans.py``): G_n by the grouped convolution for 2d layers with
+        fewer than _WIDE_CHANNELS input channels per group (1.6-4.5x faster than unfolding
+        there), by the windows where they apply and the output has at least
+        _WINDOW_POSITIONS positions (fewer make k_h k_w small products: 1.7-2.4x slower than
+        unfolding), else by unfolding; G_n . V by the layer's own convolution."""
         m = self.module
         gradients = {GROUPED: self._grouped_gradients}
+        positions = min(math.prod(d.shape[2:]) for d in self.raw_deltas)
         if _plain_2d(m) and tuple(m.stride) == (1, 1):
             gradients[WINDOWS] = self._window_gradients
-        narrow = _plain_2d(m) and m.in_channels < _WIDE_CHANNELS
+        if m.weight.dim() == 4 and m.in_channels // m.groups < _WIDE_CHANNELS:
+            prior = GROUPED
+        elif WINDOWS in gradients and positions >= _WINDOW_POSITIONS:
+            prior = WINDOWS
+        else:
+            prior = UNFOLDED_GRADIENTS
         return LayerKernels(
             gradients=gradients,
             projections={CONVOLUTION: self._convolved_projection},
-            prior_gradients=WINDOWS if WINDOWS in gradients and not narrow else UNFOLDED_GRADIENTS,
-            prior_projections=UNFOLDED_PROJECTIONS if narrow else CONVOLUTION,
+            prior_gradients=prior,
+            prior_projections=CONVOLUTION,
             key=self._key(),
             describe=self._describe,
         )
@@ -133,13 +152,22 @@ class ConvRule(BilinearRule):
         """G_n . V = sum_t delta_{n,t} . (V x^unf_{n,t}) = <delta_n, conv(x_n; V)> of samples
         start..stop-1 (all by default): the layer's own convolution with V as its weight
         (padding, stride, groups as the layer has them), without unfolding the input; cost
-        N T I O, that of the layer's forward."""
-        result = None
-        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
-            mapped = self.module._conv_forward(x[start:stop], v, None)
-            p = torch.linalg.vecdot(mapped.flatten(1), d[start:stop].flatten(1))
-            result = p if result is None else result + p
-        return result * self.output_gradient_factor
+        N T I O, that of the layer's forward. A chunk of samples at a time, so that the
+        convolution's output stays within the chunk budget (the whole batch at once was 4x
+        slower on the 3c3d CNN's first layer at N = 128)."""
+        stop = self.raw_deltas[0].shape[0] if stop is None else stop
+        numel = sum(d[0].numel() for d in self.raw_deltas)
+        step = chunk_size(stop - start, numel, self.delta.element_size())
+        parts = []
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            part = None
+            for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+                mapped = self.module._conv_forward(x[a:b], v, None)
+                p = torch.linalg.vecdot(mapped.flatten(1), d[a:b].flatten(1))
+                part = p if part is None else part + p
+            parts.append(part)
+        return torch.cat(parts) * self.output_gradient_factor
 
     def _grouped_gradients(self, start: int, stop: int) -> Tensor:
         """G_n of samples start..stop-1 shaped like the weight, by one grouped convolution per
@@ -202,6 +230,28 @@ class ConvRule(BilinearRule):
             g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
             total = g.contiguous() if total is None else total.add_(g)
         return total.mul_(self.output_gradient_factor)
+
+    def total(self) -> list[Tensor]:
+        """sum_n g_n per parameter, for the engine's check against autograd: the weight's by
+        the convolution's own weight-gradient kernel on each call's captured input and output
+        gradient (sum_n G_n = sum_{n,t} delta_{n,t} x^unf_{n,t}^T, without unfolding: the
+        check runs at a process's first step, which unfolding made 20% slower)."""
+        m = self.module
+        weight_gradient = _WEIGHT_GRADIENT[len(m.kernel_size)]
+        out = []
+        for name in self.names:
+            if name != "weight":
+                out.append(self._bias().sum(0))
+                continue
+            total = None
+            for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+                x, padding = _padded(m, x)
+                g = weight_gradient(
+                    x, m.weight.shape, d.to(x.dtype), m.stride, padding, m.dilation, m.groups
+                )
+                total = g if total is None else total + g
+            out.append(total * self.output_gradient_factor)
+        return out
 
     def inputs(self, start: int, stop: int) -> Tensor:
         """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
