@@ -225,20 +225,23 @@ class ActivationHessianOperator(CurvatureLinearOperator):
             )
         return captured[-1], output, loss
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        chunks = M[0].split(self._chunk_size or len(M[0]))  # columns [K, *Z]
-        columns = [self._hessian_columns(chunk) for chunk in chunks]
-        return [columns[0] if len(columns) == 1 else torch.cat(columns)]
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        K = M[0].shape[-1]
+        chunk = self._chunk_size or K
+        for start in range(0, K, chunk):  # columns [*Z, K], chunk_size of them at a time
+            columns = slice(start, start + chunk)
+            out[0][..., columns].copy_(self._hessian_columns(M[0][..., columns]))
 
     def _hessian_columns(self, V: Tensor) -> Tensor:
-        """d2 L / dZ2 applied to the columns V[k] (leading axis), in one batched backward."""
-        batched = len(V) > 1
+        """d2 L / dZ2 applied to the columns of V [*Z, k] (last axis), in one batched
+        backward (which takes them on a leading axis: a view), as [*Z, k]."""
+        batched = V.shape[-1] > 1
         (HV,) = torch.autograd.grad(
             self._loss_gradient,
             self._Z,
-            V if batched else V[0],
+            V.movedim(-1, 0) if batched else V[..., 0],
             retain_graph=True,
             is_grads_batched=batched,
             materialize_grads=True,
         )
-        return HV if batched else HV.unsqueeze(0)
+        return HV.movedim(0, -1) if batched else HV.unsqueeze(-1)
