@@ -174,15 +174,19 @@ def _describe(value) -> str:
 def map_columns(
     product: Callable[[list[Tensor]], list[Tensor]], M: list[Tensor], chunk_size: int | None
 ) -> list[Tensor]:
-    """Apply a vector map to every column of ``M`` (last axis), all columns at once.
+    """Apply a vector map to every column of ``M`` (last axis), all columns at once, and
+    give the results with the columns last (views).
 
     ``product`` maps a list of tensors (one vector) to a list of tensors. The columns are
-    mapped in parallel with ``torch.func.vmap`` over the last axis of the inputs and of the
-    outputs (no copy to bring the columns first), ``chunk_size`` at a time to bound memory.
+    mapped in parallel with ``torch.func.vmap``, ``chunk_size`` at a time to bound memory.
+    They are copied to a leading axis first: vmap over the last axis (``in_dims=-1``) is
+    slower on the batching rules' side (the GPT's 16-column GGN: 3.64 s against 3.26 s
+    with the copy, CPU time, 2026-12-02).
     """
     if chunk_size is not None and M[0].shape[-1] <= chunk_size:
         chunk_size = None  # one chunk: skip vmap's concatenation of chunk outputs
-    return vmap(product, in_dims=-1, out_dims=-1, chunk_size=chunk_size)(M)
+    columns = [m.movedim(-1, 0).contiguous() for m in M]
+    return vmap(product, out_dims=-1, chunk_size=chunk_size)(columns)
 
 
 def accumulate(out: list[Tensor], parts: list[Tensor], weight: float, first: bool) -> None:

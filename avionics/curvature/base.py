@@ -98,7 +98,7 @@ class CurvatureLinearOperator:
             return AX.squeeze(-1) if X.ndim == 1 else AX
         if isinstance(X, (list, tuple)) and all(isinstance(x, Tensor) for x in X):
             M, is_vector = self._check_list(X)
-            AM = self._empty_columns(self.out_shapes, M[0].shape[-1])
+            AM = self._empty_columns(M[0].shape[-1])
             self._matmat(M, AM)
             return [am.squeeze(-1) for am in AM] if is_vector else AM
         raise TypeError(
@@ -106,11 +106,15 @@ class CurvatureLinearOperator:
             f" or an operator; got {type(X).__name__}."
         )
 
-    def _empty_columns(self, shapes: Sequence[torch.Size], K: int) -> list[Tensor]:
-        """Views ``[*s_i, K]`` into one new uninitialised ``[sum_i |s_i|, K]`` block."""
-        total = sum(s.numel() for s in shapes)
-        block = torch.empty(total, K, dtype=self.dtype, device=self.device)
-        return split_columns(block, shapes)
+    def _new_result(self, K: int) -> Tensor:
+        """The uninitialised ``[rows, K]`` block a product is written into: row-major, the
+        columns last (an operator whose kernel gives the columns on a leading axis may
+        allocate it as ``[K, rows]`` transposed, so that writing into it is a plain copy)."""
+        return torch.empty(self.shape[0], K, dtype=self.dtype, device=self.device)
+
+    def _empty_columns(self, K: int) -> list[Tensor]:
+        """Views ``[*out_i, K]`` into a new :meth:`_new_result` block."""
+        return split_columns(self._new_result(K), self.out_shapes)
 
     def _check_dtype_device(self, X: Tensor) -> None:
         if X.dtype != self.dtype or X.device != self.device:
@@ -227,7 +231,7 @@ class _SumOperator(CurvatureLinearOperator):
 
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
         self._A._matmat(M, out)
-        BM = self._empty_columns(self.out_shapes, M[0].shape[-1])
+        BM = self._B._empty_columns(M[0].shape[-1])
         self._B._matmat(M, BM)
         for a, b in zip(out, BM):
             a.add_(b, alpha=self._sign)
@@ -267,7 +271,7 @@ class _ProductOperator(CurvatureLinearOperator):
         self._A, self._B = A, B
 
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
-        BM = self._empty_columns(self._B.out_shapes, M[0].shape[-1])
+        BM = self._B._empty_columns(M[0].shape[-1])
         self._B._matmat(M, BM)
         self._A._matmat(BM, out)
 
