@@ -201,6 +201,8 @@ def right_product(V: Tensor, R: Tensor) -> Tensor:
     and R^T multiplies them in one product: each batched product would read all of R
     (the MLP's 784 x 784 A on 256 rows of 16 columns: 80 ms for 93)."""
     d_out, d_in, K = V.shape
+    if K == 1:  # a vector: V is the matrix [d_out, d_in] itself (batched: 25 ms for 5 on the GPT)
+        return (V[..., 0] @ R).unsqueeze(-1)
     if d_in < 512:
         return torch.matmul(R.mT, V)
     moved = V.transpose(0, 1).reshape(d_in, d_out * K)
