@@ -6,7 +6,7 @@ operator: construction time (with the default determinism check), the time of on
 matrix-vector product and of a product with 16 columns, and the peak growth of the resident
 memory during the 16-column product; next to the time of one gradient. Times are the CPU time
 of the computing thread (``time.thread_time``, torch on one thread), the median over repeats
-of a product (the minimum for the features below) with avionics and curvlinops alternating:
+of a product (and of each feature below) with avionics and curvlinops alternating:
 on a shared machine wall-clock times mostly measure the neighbours.
 
 The features beyond the operators' products (the Hessian's blocks, KFAC's scalars, damped
@@ -345,6 +345,12 @@ def feature_pairs(model, loss_fn, data) -> dict:
         inverse = curvlinops.KFACInverseLinearOperator(K_theirs, 1e-3, use_heuristic_damping=True)
         return inverse @ V
 
+    inverse_ours = K_ours.inverse(1e-3, mode="heuristic")
+    inverse_theirs = curvlinops.KFACInverseLinearOperator(
+        K_theirs, 1e-3, use_heuristic_damping=True
+    )
+    inverse_theirs @ V  # curvlinops inverts its factors on the first product
+
     return {
         f"Hessian, one block per parameter, {COLUMNS} columns": (
             lambda: H_ours @ V,
@@ -354,6 +360,23 @@ def feature_pairs(model, loss_fn, data) -> dict:
         f"KFAC inverse, heuristic damping: the damped factors inverted + {COLUMNS} columns": (
             our_inverse,
             their_inverse,
+        ),
+        f"KFAC inverse, heuristic damping: {COLUMNS} columns": (
+            lambda: inverse_ours @ V,
+            lambda: inverse_theirs @ V,
+        ),
+        "KFAC construction (no determinism check)": (
+            lambda: KFACOperator(model, loss_fn, None, data, **quiet),
+            lambda: curvlinops.KFACLinearOperator(
+                model, loss_fn, params, data, **quiet
+            ).compute_kronecker_factors(),
+        ),
+        "EKFAC construction (no determinism check; curvlinops' factors, eigenbases and "
+        "corrections)": (
+            lambda: EKFACOperator(model, loss_fn, None, data, **quiet),
+            lambda: curvlinops.EKFACLinearOperator(
+                model, loss_fn, params, data, **quiet
+            )._maybe_compute_ekfac(),
         ),
         "KFAC-reduce construction": (
             lambda: KFACOperator(model, loss_fn, None, data, kfac_approx="reduce", **quiet),
@@ -422,13 +445,13 @@ def run_features(repeats: int) -> str:
         for name, (ours, theirs) in feature_pairs(model, loss_fn, data).items():
             print(f"features: {name}", flush=True)
             ours(), theirs()  # warm-up
-            ours_ms, theirs_ms = alternating_min_times([ours, theirs], repeats)
+            ours_ms, theirs_ms = alternating_median_times([ours, theirs], repeats)
             rows.append([name, _format(ours_ms), _format(theirs_ms),
                          _format(theirs_ms / ours_ms, 2)])  # fmt: skip
     header = ["feature", "ours (ms)", "curvlinops (ms)", "ratio"]
     return (
         f"{FEATURES_HEADING}\n\n{machine()}; curvlinops {version('curvlinops-for-pytorch')}. "
-        f"CPU time of one thread, minimum over {repeats} alternating repeats after a warm-up; "
+        f"CPU time of one thread, median over {repeats} alternating repeats after a warm-up; "
         "ratio = curvlinops / avionics (> 1: avionics is faster). The KFAC rows use the MC "
         "Fisher (curvlinops' default); the scalars of curvlinops are its cached properties, "
         "reset before each call.\n\n" + table(header, rows)
@@ -559,7 +582,7 @@ def main() -> None:
         action="store_true",
         help="time only the features beyond the products (on the MLP)",
     )
-    parser.add_argument("--feature-repeats", type=int, default=3)  # fmt: skip
+    parser.add_argument("--feature-repeats", type=int, default=9)  # fmt: skip
     parser.add_argument("--no-write", action="store_true", help="print, don't write the file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

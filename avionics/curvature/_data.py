@@ -174,14 +174,30 @@ def _describe(value) -> str:
 def map_columns(
     product: Callable[[list[Tensor]], list[Tensor]], M: list[Tensor], chunk_size: int | None
 ) -> list[Tensor]:
-    """Apply a vector map to every column of ``M`` (leading axis), all columns at once.
+    """Apply a vector map to every column of ``M`` (last axis), all columns at once, and
+    give the results with the columns last (views).
 
     ``product`` maps a list of tensors (one vector) to a list of tensors. The columns are
     mapped in parallel with ``torch.func.vmap``, ``chunk_size`` at a time to bound memory.
+    They are copied to a leading axis first: vmap over the last axis (``in_dims=-1``) is
+    slower on the batching rules' side (the GPT's 16-column GGN: 3.64 s against 3.26 s
+    with the copy, CPU time, 2026-12-02).
     """
-    if chunk_size is not None and len(M[0]) <= chunk_size:
+    if chunk_size is not None and M[0].shape[-1] <= chunk_size:
         chunk_size = None  # one chunk: skip vmap's concatenation of chunk outputs
-    return vmap(product, chunk_size=chunk_size)(M)
+    columns = [m.movedim(-1, 0).contiguous() for m in M]
+    return vmap(product, out_dims=-1, chunk_size=chunk_size)(columns)
+
+
+def accumulate(out: list[Tensor], parts: list[Tensor], weight: float, first: bool) -> None:
+    """out += weight * parts, or out = weight * parts at the ``first`` part (one pass)."""
+    for total, part in zip(out, parts):
+        if not first:
+            total.add_(part, alpha=weight)
+        elif weight != 1.0:
+            torch.mul(part, weight, out=total)
+        else:
+            total.copy_(part)
 
 
 def _relative_difference(a: list[Tensor], b: list[Tensor]) -> float:
@@ -436,38 +452,38 @@ class ModelDataOperator(CurvatureLinearOperator):
             "the same samples on every pass."
         )
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
         """sum_b w_b A_b M over the batches of the data set (equation (1)): for sharded data
         the processes' sums over their own batches, added by one all_reduce."""
-        shapes = [(len(M[0]), *s) for s in self.out_shapes]
-        return self._sum_over_processes(lambda: self._local_matmat(M), shapes, "matrix product")
+        shapes = [o.shape for o in out]
+        summed = self._sum_over_processes(
+            lambda: self._local_matmat(M, out), shapes, "matrix product"
+        )
+        for total, part in zip(out, summed):
+            if part is not total:  # the all_reduce's buffer
+                total.copy_(part)
 
-    def _local_matmat(self, M: list[Tensor]) -> list[Tensor]:
-        """sum_b w_b A_b M over the batches of this process's data."""
-        AM = None
+    def _local_matmat(self, M: list[Tensor], out: list[Tensor]) -> list[Tensor]:
+        """sum_b w_b A_b M over the batches of this process's data, written into ``out``."""
+        first = True
         with functional_pass():
             for X, y in self._batches("matrix product"):
-                weight = self._batch_weight(X)
-                AM_batch = self._matmat_batch(X, y, M)
-                if AM is None:
-                    AM = [am.mul_(weight) if weight != 1.0 else am for am in AM_batch]
-                else:
-                    for am, am_batch in zip(AM, AM_batch):
-                        am.add_(am_batch, alpha=weight)
-        return AM
+                accumulate(out, self._matmat_batch(X, y, M), self._batch_weight(X), first)
+                first = False
+        return out
 
     def _matmat_batch(self, X: Tensor | Mapping, y: Tensor, M: list[Tensor]) -> list[Tensor]:
-        """One batch's matrix times the columns ``M`` (leading axis).
+        """One batch's matrix times the columns ``M`` (last axis), columns last.
 
         Several columns go through :meth:`_column_product` in parallel (torch.func.vmap);
         a single column through :meth:`_vector_product`, which subclasses may implement with
         plain autograd: it costs less per operation than the torch.func transforms, which
         matters for small networks.
         """
-        if len(M[0]) > 1:
+        if M[0].shape[-1] > 1:
             return map_columns(self._column_product(X, y), M, self._chunk_size)
         with torch.enable_grad():
-            return [r.unsqueeze(0) for r in self._vector_product(X, y, [m[0] for m in M])]
+            return [r.unsqueeze(-1) for r in self._vector_product(X, y, [m[..., 0] for m in M])]
 
     def _column_product(self, X: Tensor | Mapping, y: Tensor) -> ColumnProduct:
         """The map v -> A_b v of batch b for one column v, written with torch.func (vmappable).

@@ -10,9 +10,13 @@ curvature of a network: the parameter shapes). ``A @ X`` accepts
 
 and returns the result in the format it was given. ``A + B``, ``A - B``, ``c * A``, ``A @ B``
 and ``A.adjoint()`` are lazy operators; ``A.to_scipy()`` is a
-``scipy.sparse.linalg.LinearOperator``. Subclasses implement :meth:`_matmat` on the list format
-with the columns on a leading axis, ``[K, *s_i]`` (contiguous per column, the layout batched
-kernels are fastest on); they multiply all columns together, never one at a time.
+``scipy.sparse.linalg.LinearOperator``.
+
+Subclasses implement :meth:`_matmat` with the columns last, as curvlinops does: the input is
+the list of views ``[*in_i, K]`` into the flat ``[D, K]`` block (row ranges of it, no copy),
+and the product is written into the views ``[*out_i, K]`` of one result block allocated
+before the call (no concatenation after it). All columns are multiplied together, never one
+at a time.
 """
 
 from __future__ import annotations
@@ -60,8 +64,13 @@ class CurvatureLinearOperator:
     # What a subclass implements
     # ---------------------------------------------------------------------------------------
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        """Multiply onto K columns in list format: tensors ``[K, *in_i]`` -> ``[K, *out_i]``."""
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        """Write the product with K columns, ``out[i] = (A M)_i``.
+
+        ``M[i]`` is ``[*in_shapes[i], K]`` and must not be written to (it may be the caller's
+        memory); ``out[i]`` is ``[*out_shapes[i], K]``, views into one ``[rows, K]`` block,
+        uninitialised on entry.
+        """
         raise NotImplementedError
 
     def _adjoint(self) -> CurvatureLinearOperator:
@@ -80,16 +89,32 @@ class CurvatureLinearOperator:
             AX = self @ torch.as_tensor(X, dtype=self.dtype, device=self.device)
             return AX.cpu().numpy().astype(X.dtype, copy=False)
         if isinstance(X, Tensor):
-            M, is_vector = self._flat_to_list(X)
-            return self._list_to_flat(self._matmat(M), is_vector)
+            self._check_flat(X)
+            columns = X.unsqueeze(-1) if X.ndim == 1 else X
+            AX = columns.new_empty(self.shape[0], columns.shape[1])
+            self._matmat(
+                split_columns(columns, self.in_shapes), split_columns(AX, self.out_shapes)
+            )
+            return AX.squeeze(-1) if X.ndim == 1 else AX
         if isinstance(X, (list, tuple)) and all(isinstance(x, Tensor) for x in X):
             M, is_vector = self._check_list(X)
-            AM = self._matmat(M)
-            return [am.squeeze(0) if is_vector else am.movedim(0, -1) for am in AM]
+            AM = self._empty_columns(M[0].shape[-1])
+            self._matmat(M, AM)
+            return [am.squeeze(-1) for am in AM] if is_vector else AM
         raise TypeError(
             f"{type(self).__name__} @ X needs X to be a tensor, a list of tensors, a NumPy array"
             f" or an operator; got {type(X).__name__}."
         )
+
+    def _new_result(self, K: int) -> Tensor:
+        """The uninitialised ``[rows, K]`` block a product is written into: row-major, the
+        columns last (an operator whose kernel gives the columns on a leading axis may
+        allocate it as ``[K, rows]`` transposed, so that writing into it is a plain copy)."""
+        return torch.empty(self.shape[0], K, dtype=self.dtype, device=self.device)
+
+    def _empty_columns(self, K: int) -> list[Tensor]:
+        """Views ``[*out_i, K]`` into a new :meth:`_new_result` block."""
+        return split_columns(self._new_result(K), self.out_shapes)
 
     def _check_dtype_device(self, X: Tensor) -> None:
         if X.dtype != self.dtype or X.device != self.device:
@@ -98,27 +123,18 @@ class CurvatureLinearOperator:
                 f"{X.dtype} on {X.device}; convert it with X.to({self.dtype}, {self.device})."
             )
 
-    def _flat_to_list(self, X: Tensor) -> tuple[list[Tensor], bool]:
-        """Split a flat ``[D]`` or ``[D, K]`` tensor into the list format ``[K, *s_i]``."""
+    def _check_flat(self, X: Tensor) -> None:
+        """Refuse a flat X that is not ``[D]`` or ``[D, K]`` in the operator's dtype and device."""
         self._check_dtype_device(X)
         if X.ndim not in (1, 2) or X.shape[0] != self.shape[1]:
             raise ValueError(
                 f"{type(self).__name__} has shape {self.shape}: a flat X must be [{self.shape[1]}]"
                 f" or [{self.shape[1]}, K], got {list(X.shape)}."
             )
-        is_vector = X.ndim == 1
-        columns = X.unsqueeze(0) if is_vector else X.T.contiguous()  # [K, D]
-        sizes = [s.numel() for s in self.in_shapes]
-        M = [x.view(len(columns), *s) for x, s in zip(columns.split(sizes, dim=1), self.in_shapes)]
-        return M, is_vector
-
-    def _list_to_flat(self, AM: list[Tensor], is_vector: bool) -> Tensor:
-        flat = [am.reshape(am.shape[0], -1) for am in AM]
-        columns = flat[0] if len(flat) == 1 else torch.cat(flat, dim=1)  # [K, D]
-        return columns.squeeze(0) if is_vector else columns.T
 
     def _check_list(self, X: Sequence[Tensor]) -> tuple[list[Tensor], bool]:
-        """Check a list of per-shape tensors and bring it to the list format ``[K, *s_i]``."""
+        """Check a list of per-shape tensors and bring it to the list format ``[*s_i, K]``
+        (views of the tensors given)."""
         if len(X) != len(self.in_shapes):
             raise ValueError(
                 f"{type(self).__name__} acts on {len(self.in_shapes)} tensors of shapes "
@@ -126,9 +142,8 @@ class CurvatureLinearOperator:
             )
         for x in X:
             self._check_dtype_device(x)
-        is_vector = all(x.shape == s for x, s in zip(X, self.in_shapes))
-        if is_vector:
-            return [x.unsqueeze(0) for x in X], True
+        if all(x.shape == s for x, s in zip(X, self.in_shapes)):
+            return [x.unsqueeze(-1) for x in X], True
         columns = {x.shape[-1] for x in X}
         if len(columns) != 1 or any(x.shape[:-1] != s for x, s in zip(X, self.in_shapes)):
             raise ValueError(
@@ -136,7 +151,7 @@ class CurvatureLinearOperator:
                 f"{[list(s) for s in self.in_shapes]} (a vector) or the same shapes with one "
                 f"trailing axis of K columns (a matrix), got {[list(x.shape) for x in X]}."
             )
-        return [x.movedim(-1, 0).contiguous() for x in X], False
+        return list(X), False
 
     # ---------------------------------------------------------------------------------------
     # Lazy algebra
@@ -214,9 +229,12 @@ class _SumOperator(CurvatureLinearOperator):
         self._A, self._B, self._sign = A, B, sign
         self.SELF_ADJOINT = A.SELF_ADJOINT and B.SELF_ADJOINT
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        AM, BM = self._A._matmat(M), self._B._matmat(M)
-        return [a.add(b, alpha=self._sign) for a, b in zip(AM, BM)]
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        self._A._matmat(M, out)
+        BM = self._B._empty_columns(M[0].shape[-1])
+        self._B._matmat(M, BM)
+        for a, b in zip(out, BM):
+            a.add_(b, alpha=self._sign)
 
     def _adjoint(self) -> CurvatureLinearOperator:
         return _SumOperator(self._A.adjoint(), self._B.adjoint(), self._sign)
@@ -230,8 +248,10 @@ class _ScaledOperator(CurvatureLinearOperator):
         self._A, self._scalar = A, scalar
         self.SELF_ADJOINT = A.SELF_ADJOINT
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return [self._scalar * am for am in self._A._matmat(M)]
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        self._A._matmat(M, out)
+        for am in out:
+            am.mul_(self._scalar)
 
     def _adjoint(self) -> CurvatureLinearOperator:
         return _ScaledOperator(self._A.adjoint(), self._scalar)
@@ -250,8 +270,10 @@ class _ProductOperator(CurvatureLinearOperator):
         super().__init__(B.in_shapes, A.out_shapes, A.dtype, A.device)
         self._A, self._B = A, B
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return self._A._matmat(self._B._matmat(M))
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        BM = self._B._empty_columns(M[0].shape[-1])
+        self._B._matmat(M, BM)
+        self._A._matmat(BM, out)
 
     def _adjoint(self) -> CurvatureLinearOperator:
         return _ProductOperator(self._B.adjoint(), self._A.adjoint())
@@ -279,5 +301,19 @@ class IdentityOperator(CurvatureLinearOperator):
             shapes, dtype, device = shapes.in_shapes, shapes.dtype, shapes.device
         super().__init__(shapes, shapes, dtype, device)
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return [m.clone() for m in M]
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        for m, am in zip(M, out):
+            am.copy_(m)
+
+
+def split_columns(columns: Tensor, shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """The row ranges of a ``[sum_i |s_i|, K]`` block as tensors ``[*s_i, K]``, in the order
+    of ``shapes``: views for any strides (they only split the row axis)."""
+    K = columns.shape[-1]
+    rows = columns.split([s.numel() for s in shapes])
+    return [part.view(*s, K) for part, s in zip(rows, shapes)]
+
+
+def joined_columns(M: Sequence[Tensor]) -> Tensor:
+    """The list format ``[*s_i, K]`` as one ``[sum_i |s_i|, K]`` block (a copy)."""
+    return torch.cat([m.reshape(-1, m.shape[-1]) for m in M])

@@ -7,7 +7,7 @@ from torch import Tensor
 
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.curvature.kfac import KFACOperator, KroneckerBlock
-from avionics.curvature.kfac_inverse import blockwise
+from avionics.curvature.kfac_inverse import blockwise, left_product, right_product
 
 
 class EKFACOperator(KFACOperator):
@@ -81,12 +81,13 @@ class EKFACOperator(KFACOperator):
                 S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
         return [S[id(block)] for block in self.blocks]
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        def apply(block: KroneckerBlock, V: Tensor) -> Tensor:
-            Q_B, Q_A, _, _, S = self._spectra[id(block)]
-            return Q_B @ (((Q_B.T @ (V @ Q_A)) * S) @ Q_A.T)
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        def apply(block: KroneckerBlock, V: Tensor, result: Tensor) -> None:
+            Q_B, Q_A, _, _, S = self._spectra[id(block)]  # Q_B [(Q_B^T V Q_A) * S] Q_A^T
+            rotated = left_product(Q_B.T, right_product(V, Q_A)) * S.unsqueeze(-1)
+            left_product(Q_B, right_product(rotated, Q_A.T), result)
 
-        return blockwise(self.blocks, M, apply)
+        blockwise(self.blocks, M, out, apply)
 
     def inverse(self, damping: float, *, mode: str = "exact",
                 min_damping: float = 1e-8) -> CurvatureLinearOperator:  # fmt: skip

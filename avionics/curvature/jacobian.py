@@ -7,7 +7,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.func import jvp, vjp
 
-from avionics.curvature._data import ModelDataOperator, functional_pass
+from avionics.curvature._data import ModelDataOperator, accumulate, functional_pass
 from avionics.curvature._distributed import refuse_distributed
 
 
@@ -78,10 +78,14 @@ class JacobianOperator(_OutputsOperator):
     def _out_shapes(self) -> list[torch.Size]:
         return [self._output_shape()]
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        (JM,) = out  # [N, *f, K]: each batch's rows written in place
+        start = 0
         with functional_pass():
-            blocks = [self._matmat_batch(X, y, M)[0] for X, y in self._batches("J @ M")]
-        return [torch.cat(blocks, dim=1)]
+            for X, y in self._batches("J @ M"):
+                block = self._matmat_batch(X, y, M)[0]
+                JM[start : start + len(block)].copy_(block)
+                start += len(block)
 
     def _column_product(self, X, y):
         def product(v: list[Tensor]) -> list[Tensor]:
@@ -113,18 +117,14 @@ class TransposedJacobianOperator(_OutputsOperator):
     def _in_shapes(self) -> list[torch.Size]:
         return [self._output_shape()]
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        JTM = [torch.zeros(len(M[0]), *s, dtype=self.dtype, device=self.device)
-               for s in self.out_shapes]  # fmt: skip
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
         start = 0
         with functional_pass():
             for X, y in self._batches("J^T @ M"):
                 size = self._batch_size(X)
-                rows = [M[0][:, start : start + size]]
-                for total, block in zip(JTM, self._matmat_batch(X, y, rows)):
-                    total.add_(block)
+                rows = [M[0][start : start + size]]  # this batch's rows u_b, [B_b, *f, K]
+                accumulate(out, self._matmat_batch(X, y, rows), 1.0, first=start == 0)
                 start += size
-        return JTM
 
     def _column_product(self, X, y):
         _, output_vjp = vjp(lambda params: self._output(params, X), self._params)

@@ -30,6 +30,8 @@ from avionics.curvature.kfac_inverse import (
     check_damping,
     exact_inverse,
     factored_inverse,
+    left_product,
+    right_product,
 )
 from avionics.curvature.kfac_state import check_finite, check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
@@ -477,8 +479,11 @@ class KFACOperator(ModelDataOperator):
     # Products
     # ---------------------------------------------------------------------------------------
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        return blockwise(self.blocks, M, lambda block, V: block.B @ (V @ block.A))
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        def apply(block: KroneckerBlock, V: Tensor, result: Tensor) -> None:
+            left_product(block.B, right_product(V, block.A), result)  # B V A
+
+        blockwise(self.blocks, M, out, apply)
 
     def _spectrum(self, block: KroneckerBlock) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(Q_B, Q_A, b, a, S) of a block: the eigendecompositions of its factors and the

@@ -54,14 +54,16 @@ class KFACInverseOperator(CurvatureLinearOperator):
         super().__init__(kfac.in_shapes, kfac.out_shapes, kfac.dtype, kfac.device)
         self._blocks, self._inverses = kfac.blocks, inverses
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        def apply(block, V: Tensor) -> Tensor:
-            left, right, D = self._inverses[id(block)]
-            if D is None:
-                return left @ (V @ right)
-            return left @ (((left.T @ (V @ right)) / D) @ right.T)
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        def apply(block, V: Tensor, result: Tensor) -> None:
+            L, R, D = self._inverses[id(block)]
+            if D is None:  # B_inv V A_inv
+                left_product(L, right_product(V, R), result)
+            else:  # Q_B [(Q_B^T V Q_A) / D] Q_A^T
+                rotated = left_product(L.T, right_product(V, R)) / D.unsqueeze(-1)
+                left_product(L, right_product(rotated, R.T), result)
 
-        return blockwise(self._blocks, M, apply)
+        blockwise(self._blocks, M, out, apply)
 
 
 def check_damping(damping, mode: str, min_damping: float, owner: str):
@@ -157,18 +159,51 @@ def _check_damping(value, owner: str, *, allow_zero: bool, name: str = "damping"
 def blockwise(
     blocks: list,
     M: list[Tensor],
-    apply: Callable[..., Tensor],
-) -> list[Tensor]:
-    """Apply each block's map to its parameters' columns, as matrices V [K, d_out, d_in].
+    out: list[Tensor],
+    apply: Callable[[object, Tensor, Tensor], None],
+) -> None:
+    """Apply each block's map to its parameters' columns, as V [d_out, d_in, K] (columns
+    last), writing the result into ``out`` (views of the operator's result, see
+    :meth:`~avionics.curvature.base.CurvatureLinearOperator._matmat`).
 
-    The maps multiply V by the input-side matrix first, (V @ A): one matrix product of
-    [K d_out, d_in] by [d_in, d_in], the larger of the two, faster than K batched ones."""
-    result = [None] * len(M)
+    ``apply(block, V, result)`` writes the block's product into ``result`` [d_out, d_in, K]:
+    a view of ``out`` for a weight or bias alone, a new tensor split into ``out`` after it for a
+    weight with a joint bias (whose columns, [d_out, d_in + 1, K], are concatenated first)."""
     for block in blocks:
-        # weights [K, d_out, C_in (kh kw)], biases [K, d_out, 1]
-        parts = [M[i].reshape(M[i].shape[0], M[i].shape[1], -1) for i in block.param_indices]
-        AV = apply(block, parts[0] if len(parts) == 1 else torch.cat(parts, dim=2))
-        widths = [p.shape[-1] for p in parts]
-        for i, part in zip(block.param_indices, AV.split(widths, dim=2)):
-            result[i] = part.reshape(M[i].shape)
-    return result
+        # weights [d_out, C_in (kh kw), K], biases [d_out, 1, K]: views
+        parts = [M[i].view(M[i].shape[0], -1, M[i].shape[-1]) for i in block.param_indices]
+        results = [out[i].view(parts[j].shape) for j, i in enumerate(block.param_indices)]
+        if len(parts) == 1:
+            apply(block, parts[0], results[0])
+            continue
+        joint = torch.cat(parts, dim=1)
+        AV = torch.empty_like(joint)
+        apply(block, joint, AV)
+        for result, part in zip(results, AV.split([p.shape[1] for p in parts], dim=1)):
+            result.copy_(part)
+
+
+def left_product(L: Tensor, V: Tensor, out: Tensor | None = None) -> Tensor:
+    """L V on the first axis of V [d_out, d_in, K]: one matrix product with V as
+    [d_out, d_in K] (into ``out`` when given)."""
+    d_out, d_in, K = V.shape
+    product = torch.mm(
+        L, V.reshape(d_out, d_in * K), out=None if out is None else out.view(len(L), d_in * K)
+    )
+    return product.view(len(L), d_in, K)
+
+
+def right_product(V: Tensor, R: Tensor) -> Tensor:
+    """V R on the second axis of V [d_out, d_in, K], as [d_out, d_r, K].
+
+    For d_in < 512 one batched product over d_out (R^T [d_r, d_in] times each [d_in, K]);
+    from 512 the d_out blocks of V are moved behind d_in (copies of K contiguous numbers)
+    and R^T multiplies them in one product: each batched product would read all of R
+    (the MLP's 784 x 784 A on 256 rows of 16 columns: 80 ms for 93)."""
+    d_out, d_in, K = V.shape
+    if K == 1:  # a vector: V is the matrix [d_out, d_in] itself (batched: 25 ms for 5 on the GPT)
+        return (V[..., 0] @ R).unsqueeze(-1)
+    if d_in < 512:
+        return torch.matmul(R.mT, V)
+    moved = V.transpose(0, 1).reshape(d_in, d_out * K)
+    return (R.mT @ moved).view(R.shape[1], d_out, K).transpose(0, 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from avionics.curvature.algorithms.lsmr import lsmr
-from avionics.curvature.base import CurvatureLinearOperator
+from avionics.curvature.base import CurvatureLinearOperator, joined_columns, split_columns
 
 
 class LSMRInverseOperator(CurvatureLinearOperator):
@@ -43,13 +43,10 @@ class LSMRInverseOperator(CurvatureLinearOperator):
         self.SELF_ADJOINT = A.SELF_ADJOINT
         self.last_result = None
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        flat = self._list_to_flat(M, is_vector=False)  # [K, ...] -> [rows of A, K]
-        self.last_result = lsmr(self._A, flat, **self._options)
-        columns = self.last_result.solution.T  # [K, columns of A]
-        sizes = [s.numel() for s in self.out_shapes]
-        return [x.reshape(len(columns), *s)
-                for x, s in zip(columns.split(sizes, dim=1), self.out_shapes)]  # fmt: skip
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        self.last_result = lsmr(self._A, joined_columns(M), **self._options)  # [rows of A, K]
+        for x, solution in zip(out, split_columns(self.last_result.solution, self.out_shapes)):
+            x.copy_(solution)
 
     def _adjoint(self) -> LSMRInverseOperator:
         return LSMRInverseOperator(self._A.adjoint(), **self._options)

@@ -53,10 +53,10 @@ class MCFisherOperator(GGNOperator):
         self._seed = check_seed(seed, type(self).__name__)
         super().__init__(model, loss_fn, params, data, **kwargs)
 
-    def _local_matmat(self, M: list[Tensor]) -> list[Tensor]:
+    def _local_matmat(self, M: list[Tensor], out: list[Tensor]) -> list[Tensor]:
         # Restart at this process's first batch so that every product sees the same sample.
         self._batch_index = self._first_batch
-        return super()._local_matmat(M)
+        return super()._local_matmat(M, out)
 
     def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
         # called once per batch, in data order

@@ -74,11 +74,11 @@ class SubmatrixOperator(CurvatureLinearOperator):
 
         return cls(A, indices(row_parameters), indices(column_parameters))
 
-    def _matmat(self, M: list[Tensor]) -> list[Tensor]:
-        (X,) = M  # [K, len(columns)]
-        embedded = torch.zeros(self._A.shape[1], len(X), dtype=self.dtype, device=self.device)
-        embedded[self._column_index] = X.T
-        return [(self._A @ embedded)[self._row_index].T]
+    def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
+        (X,) = M  # [len(columns), K]
+        embedded = X.new_zeros(self._A.shape[1], X.shape[-1])
+        embedded[self._column_index] = X
+        torch.index_select(self._A @ embedded, 0, self._row_index, out=out[0])
 
     def _adjoint(self) -> SubmatrixOperator:
         return SubmatrixOperator(self._A.adjoint(), self._columns, self._rows)
