@@ -211,24 +211,28 @@ def check_micro_batch_info(step, i, info, reduction, n, parts) -> None:
 
 def _reached(tensor: Tensor, edges: list) -> set[int]:
     """The indices of ``edges`` (captured outputs of the model) that ``tensor``'s graph leads
-    to: a walk of its graph that stops at them, running no backward (a backward would fire
+    to: a walk of its graph until all are found, running no backward (a backward would fire
     the hooks on the model's outputs, FSDP's pre-backward all-gathers among them); where
     an output is a tensor itself (no node of its own), a backward to the outputs."""
     if any(isinstance(edge, Tensor) for edge in edges):
         grads = torch.autograd.grad(tensor.sum(), edges, retain_graph=True, allow_unused=True)
         return {k for k, g in enumerate(grads) if g is not None}
     index = {(id(edge.node), edge.output_nr): k for k, edge in enumerate(edges)}
-    found, seen = set(), set()
+    # (``seen`` holds the nodes themselves: a node's Python object lives only while it is
+    # referenced, and a freed one's id is reused by the next, which would end the walk early)
+    found, seen = set(), {}
     stack = [(tensor.grad_fn, tensor.output_nr)]
     while stack:
         node, output_nr = stack.pop()
         if node is None:
             continue
         k = index.get((id(node), output_nr))
-        if k is not None:
+        if k is not None:  # (and on: an output may lead to another, as autograd.grad finds)
             found.add(k)
-        elif id(node) not in seen:
-            seen.add(id(node))
+            if len(found) == len(edges):
+                break
+        if id(node) not in seen:
+            seen[id(node)] = node
             stack.extend(node.next_functions)
     return found
 
