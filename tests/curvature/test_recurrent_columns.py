@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 from avionics.persample.rules import recurrent
-from avionics.persample.rules.base import ColumnSums
+from avionics.persample.rules.base import COLUMN_GROUP, ColumnSums
 from avionics.quantities import TICDiag
 from tests import real_models
 from tests.quantities.test_curvature_instruments import _params, _run, dense_ggn
@@ -90,7 +90,7 @@ def test_grouped_columns_give_the_exact_diagonal(case, monkeypatch):
     rnn = next(m for m in model.modules() if isinstance(m, nn.RNNBase))
     assert rnn not in seen["one_column"] and seen["groups"]
     if case == "lstm_lm":
-        assert seen["groups"][:2] == [recurrent.COLUMN_GROUP] * 2  # (one re-run, reused)
+        assert seen["groups"][:2] == [COLUMN_GROUP] * 2  # (one re-run, reused)
     expected = torch.diagonal(dense_ggn(model, X, y, loss_fn))
     sizes = [p.numel() for p in _params(model)]
     names = [name for name, p in model.named_parameters() if p.requires_grad]

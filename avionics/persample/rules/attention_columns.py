@@ -14,10 +14,11 @@ they are read in the columns' own batched backward (at :attr:`AttentionColumnSum
 no re-run. Else the attention is re-run once per step on the captured inputs (as the rule's
 re-run: identity projections, the call's dropout masks drawn again), its graph kept, and
 (dq^j, dk^j, dv^j) is its vector-Jacobian product with do^j = delta^j W_o, up to
-:data:`COLUMN_GROUP` columns in one batched product (``is_grads_batched``). Each form is
-then one product over the positions for all columns and samples of a chunk,
-[N, K F, T] @ [N, T, I], squared and summed over n and j. The calls of one module add their
-gradients before the square (a module called twice has one per-sample gradient).
+:data:`~avionics.persample.rules.base.COLUMN_GROUP` columns in one batched product
+(``is_grads_batched``). Each form is then one product over the positions for all columns
+and samples of a chunk, [N, K F, T] @ [N, T, I], squared and summed over n and j. The calls
+of one module add their gradients before the square (a module called twice has one
+per-sample gradient).
 """
 
 from __future__ import annotations
@@ -36,15 +37,13 @@ from avionics.persample.rules.attention import (
     _time_major,
     _time_major_gradient,
 )
-from avionics.persample.rules.base import ColumnSums
+from avionics.persample.rules.base import GroupedColumnSums
 
-# columns pending before they go back through the re-run attention together
-COLUMN_GROUP = 16
 # bytes of one chunk of per-sample, per-column gradients [c, K, F, I]
 CHUNK_BYTES = 2**24
 
 
-class AttentionColumnSums(ColumnSums):
+class AttentionColumnSums(GroupedColumnSums):
     """sum over columns j of sum_n G^j_n^2 (or its sum, with ``traces``) for the parameters
     ``names`` of an nn.MultiheadAttention (see the module docstring;
     :meth:`Rule.column_sums <avionics.persample.rules.base.Rule.column_sums>`): each call's
@@ -52,15 +51,14 @@ class AttentionColumnSums(ColumnSums):
     re-run (:class:`_ReRun`)."""
 
     def __init__(self, module: nn.MultiheadAttention, calls, names: list[str], n: int, traces):
-        self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
+        super().__init__(calls, names, n, traces)
+        self.module = module
         self.in_proj = bool({"in_proj_weight", "in_proj_bias"} & set(names))
         self.sources = [
             _Inside(module, call) if _taken_inside(module, call, n) else _ReRun(module, call)
             for call in calls
         ]
         self.edges = [edge for source in self.sources for edge in source.edges]
-        self.pending: list[list[tuple[Tensor, list]]] = []
-        self.totals: dict[str, Tensor] = {}
 
     def add(self, grad_outputs: list[list[Tensor | None]], edge_grads=()) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``; ``edge_grads``:
@@ -70,9 +68,7 @@ class AttentionColumnSums(ColumnSums):
             delta = computing(_time_major_gradient(self.module, call.with_grad_outputs(outs)))
             own, edge_grads = edge_grads[: len(source.edges)], edge_grads[len(source.edges) :]
             column.append((delta, own))
-        self.pending.append(column)
-        if len(self.pending) == COLUMN_GROUP:
-            self._reduce()
+        self.hold(column)
 
     def _reduce(self) -> None:
         """The pending columns' squared per-sample gradients, added to the totals."""
@@ -95,23 +91,14 @@ class AttentionColumnSums(ColumnSums):
             stop = min(self.n, start + step)
             for form in factors[0]:
                 weight, bias = _chunk_gradients([f[form] for f in factors], start, stop)
-                self._add(form, weight, bias)
+                self._add_form(form, weight, bias)
 
-    def _add(self, form: str, weight: Tensor, bias: Tensor) -> None:
+    def _add_form(self, form: str, weight: Tensor, bias: Tensor) -> None:
         names = {"in_proj": ("in_proj_weight", "in_proj_bias"),
                  "out_proj": ("out_proj.weight", "out_proj.bias")}[form]  # fmt: skip
         for name, g in zip(names, (weight, bias), strict=True):
             if name in self.names:
-                s = g.square_().sum((0, 1))  # (g: this chunk's own)
-                s = s.sum() if self.traces else s
-                self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
-
-    def result(self, scale: float) -> list[Tensor | None]:
-        """``scale`` times the sums, one per name (None where no column arrived)."""
-        if self.pending:
-            self._reduce()
-        return [self.totals[name].mul_(scale) if name in self.totals else None
-                for name in self.names]  # fmt: skip
+                self._add(name, g.square_().sum((0, 1)))  # (g: this chunk's own)
 
 
 class _ReRun:

@@ -133,6 +133,38 @@ class ColumnSums:
         return [t.mul_(scale) if t is not None else None for t in self.totals]
 
 
+# columns a grouped column sums holds before it forms their per-sample gradients together
+COLUMN_GROUP = 16
+
+
+class GroupedColumnSums(ColumnSums):
+    """Column sums that hold each column's data (:meth:`hold`) and, :data:`COLUMN_GROUP` at a
+    time, form the held columns' per-sample gradients together (a subclass's ``_reduce``,
+    which empties :attr:`pending` and adds each parameter's squares by :meth:`_add`)."""
+
+    def __init__(self, calls, names: list[str], n: int, traces: bool):
+        self.calls, self.names, self.n, self.traces = calls, names, n, traces
+        self.pending: list = []
+        self.totals: dict[str, Tensor] = {}
+
+    def hold(self, column) -> None:
+        """Keep one column's data; a full group is formed at once."""
+        self.pending.append(column)
+        if len(self.pending) == COLUMN_GROUP:
+            self._reduce()
+
+    def _add(self, name: str, s: Tensor) -> None:
+        s = s.sum() if self.traces else s
+        self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
+
+    def result(self, scale: float) -> list[Tensor | None]:
+        """``scale`` times the sums, one per name (None where no column arrived)."""
+        if self.pending:
+            self._reduce()
+        return [self.totals[name].mul_(scale) if name in self.totals else None
+                for name in self.names]  # fmt: skip
+
+
 def batch_first(t: Tensor, axis: int, n: int, where: str) -> Tensor:
     """Move the batch axis of ``t`` to the front, checking it has ``n`` entries."""
     if t.dim() <= axis or t.shape[axis] != n:

@@ -9,7 +9,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from avionics.persample.rules.base import ColumnSums, batch_first, concatenate, output_gradient
+from avionics.persample.rules.base import (
+    ColumnSums,
+    GroupedColumnSums,
+    batch_first,
+    concatenate,
+    output_gradient,
+)
 from avionics.persample.rules.bilinear import BilinearRule
 
 
@@ -98,13 +104,11 @@ class LinearColumnSums(ColumnSums):
 LinearRule.column_sums_class = LinearColumnSums
 
 
-# columns kept before their per-sample gradients are formed together, and the bytes of one
-# chunk of those gradients [c, K, O, I]
-SHARED_AXES_GROUP = 16
+# the bytes of one chunk of a group's per-sample gradients [c, K, O, I]
 SHARED_AXES_CHUNK_BYTES = 2**24
 
 
-class SharedAxesColumnSums(ColumnSums):
+class SharedAxesColumnSums(GroupedColumnSums):
     """:meth:`LinearRule.column_sums` of nn.Linear calls with shared axes: for column j,
     G_{n,j} = sum_t delta_{n,j,t} x_{n,t}^T over the calls' positions t (concatenated, as the
     rule does). The columns' output gradients are kept, and a group of K at a time forms, a
@@ -113,11 +117,9 @@ class SharedAxesColumnSums(ColumnSums):
     column); the bias's G_{n,j} = sum_t delta_{n,j,t}."""
 
     def __init__(self, calls, names: list[str], n: int, traces: bool):
-        self.calls, self.names, self.n, self.traces = calls, names, n, traces
+        super().__init__(calls, names, n, traces)
         xs = [batch_first(c.args[0], c.batch_axis, n, "Linear input") for c in calls]
         self.x = torch.cat([x.reshape(n, -1, x.shape[-1]) for x in xs], 1)  # [N, T, I]
-        self.pending: list[Tensor] = []
-        self.totals: dict[str, Tensor] = {}
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         ds = []
@@ -125,9 +127,7 @@ class SharedAxesColumnSums(ColumnSums):
             d = output_gradient(call.with_grad_outputs(outs))
             d = batch_first(d, call.batch_axis, self.n, "Linear output")
             ds.append(d.reshape(self.n, -1, d.shape[-1]))
-        self.pending.append(torch.cat(ds, 1))  # [N, T, O]
-        if len(self.pending) == SHARED_AXES_GROUP:
-            self._reduce()
+        self.hold(torch.cat(ds, 1))  # [N, T, O]
 
     def _reduce(self) -> None:
         delta = torch.stack(self.pending, 1)  # [N, K, T, O]
@@ -142,13 +142,3 @@ class SharedAxesColumnSums(ColumnSums):
                 self._add("weight", g.square_().sum(0).unflatten(0, (k, o)).sum(0))
             if "bias" in self.names:
                 self._add("bias", d.sum(2).square_().sum((0, 1)))
-
-    def _add(self, name: str, s: Tensor) -> None:
-        s = s.sum() if self.traces else s
-        self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
-
-    def result(self, scale: float) -> list[Tensor | None]:
-        if self.pending:
-            self._reduce()
-        return [self.totals[name].mul_(scale) if name in self.totals else None
-                for name in self.names]  # fmt: skip

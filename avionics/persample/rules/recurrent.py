@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from avionics.persample.precision import computing
-from avionics.persample.rules.base import ColumnSums, Rule, output_gradient
+from avionics.persample.rules.base import GroupedColumnSums, Rule, output_gradient
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
 # The recurrent modules whose own forward the rule re-runs (subclasses may change it).
@@ -327,13 +327,11 @@ def output_gradients(module: nn.RNNBase, call) -> list[Tensor]:
     return [computing(g) for g in [d_out] + [output_gradient(call, i) for i in states]]
 
 
-# columns pending before they go back through one re-run together, and the bytes of one chunk
-# of per-sample, per-column gradients [c, K, O, I]
-COLUMN_GROUP = 16
+# the bytes of one chunk of per-sample, per-column gradients [c, K, O, I]
 CHUNK_BYTES = 2**24
 
 
-class RecurrentColumnSums(ColumnSums):
+class RecurrentColumnSums(GroupedColumnSums):
     """sum over columns j of sum_n G^j_n^2 (or its sum, with ``traces``) for the parameters
     ``names`` of a recurrent module (:meth:`Rule.column_sums
     <avionics.persample.rules.base.Rule.column_sums>`): G^j_n(W_ih) = sum_t da^j_{n,t}
@@ -344,21 +342,18 @@ class RecurrentColumnSums(ColumnSums):
     chunk of c samples, squared and summed over n and j."""
 
     def __init__(self, module: nn.RNNBase, calls, names: list[str], n: int, traces: bool):
-        self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
-        self.pending: list[list[list[Tensor]]] = []  # per column, per call: output gradients
+        super().__init__(calls, names, n, traces)  # (held: per column, per call, its gradients)
+        self.module = module
         self.reruns: dict[int, list[ReRun]] = {}  # by the number of copies
-        self.totals: dict[str, Tensor] = {}
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
-        self.pending.append(
+        self.hold(
             [
                 output_gradients(self.module, call.with_grad_outputs(outs))
                 for call, outs in zip(self.calls, grad_outputs, strict=True)
             ]
         )
-        if len(self.pending) == COLUMN_GROUP:
-            self._reduce()
 
     def _reruns(self, copies: int) -> list[ReRun]:
         if copies not in self.reruns:
@@ -381,17 +376,6 @@ class RecurrentColumnSums(ColumnSums):
                 self._add(name, delta.sum(1).square_().sum((0, 1)))
             else:
                 self._add(name, _weight_squares(x, delta))
-
-    def _add(self, name: str, s: Tensor) -> None:
-        s = s.sum() if self.traces else s
-        self.totals[name] = s if name not in self.totals else self.totals[name].add_(s)
-
-    def result(self, scale: float) -> list[Tensor | None]:
-        """``scale`` times the sums, one per name (None where no column arrived)."""
-        if self.pending:
-            self._reduce()
-        return [self.totals[name].mul_(scale) if name in self.totals else None
-                for name in self.names]  # fmt: skip
 
 
 def _weight_squares(x: Tensor, delta: Tensor) -> Tensor:
