@@ -65,11 +65,14 @@ def ddp_gradient(model, losses, sizes, reduction="mean"):
     return torch.autograd.grad(objective, list(model.parameters()), retain_graph=True)
 
 
-def single_process(architecture, names, sizes, reduction="mean"):
-    """The reference: one process, the global batch, and the update DDP makes."""
+def single_process(architecture, names, sizes, reduction="mean", made=None):
+    """The reference: one process, the global batch, and the update DDP makes (the average of
+    the processes' gradients); ``made``: (quantities, optimizer) from ``names`` and the model,
+    by default this file's :func:`make_quantities` and :func:`optimizer`."""
+    make, make_optimizer = made or (make_quantities, optimizer)
     model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
-    cockpit = Cockpit(model, make_quantities(names))
-    opt = optimizer(model, names)
+    cockpit = Cockpit(model, make(names))
+    opt = make_optimizer(model, names)
     for step, (X, y) in enumerate(batches(architecture, sizes)):
         opt.zero_grad()
         losses = loss_fn(model(X), y)

@@ -20,8 +20,8 @@ from test_distributed import (
     ARCHITECTURES,
     assert_equal_outputs,
     batches,
-    ddp_gradient,
     reduced,
+    single_process,
     split,
 )
 from test_fsdp import shard
@@ -48,27 +48,6 @@ def optimizer(model, names):
     if "PreconditionedSharpness" in names:
         return torch.optim.Adam(model.parameters(), lr=0.01)
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.5)
-
-
-def single_process(architecture, names, sizes, reduction="mean"):
-    """The reference: one process, the global batch, and the update FSDP makes (the average
-    of the processes' gradients)."""
-    model, _, _, loss_fn = ARCHITECTURES[architecture](n=2)
-    cockpit = Cockpit(model, make_quantities(names))
-    opt = optimizer(model, names)
-    for step, (X, y) in enumerate(batches(architecture, sizes)):
-        opt.zero_grad()
-        losses = loss_fn(model(X), y)
-        loss = reduced(losses, reduction)
-        info = {"loss": loss, "individual_losses": losses, "batch_size": len(X), "optimizer": opt}
-        update = ddp_gradient(model, losses, sizes, reduction)
-        with cockpit(step, info=info):
-            loss.backward(create_graph=cockpit.create_graph(step))
-        for p, g in zip(model.parameters(), update):
-            p.grad = g.detach()
-        opt.step()
-    cockpit.close()
-    return cockpit.get_output(), [p.detach().clone() for p in model.parameters()]
 
 
 def one_rank(rank, world, architecture, names, sizes, nested, reduction="mean", micro=1):
@@ -136,7 +115,9 @@ def spawned(tmp_path_factory):
 @pytest.mark.parametrize("k", range(len(SCENARIOS)))
 def test_curvature_quantities_are_the_global_batch_s_under_fsdp2(spawned, k):
     architecture, names, sizes, _, *rest = SCENARIOS[k]
-    expected, params = single_process(architecture, names, sizes, *rest[:1])
+    expected, params = single_process(
+        architecture, names, sizes, *rest[:1], made=(make_quantities, optimizer)
+    )
     for output, final, unsharded_after, settings in (results[k] for results in spawned):
         assert_equal_outputs(output, expected)
         # (Adam moves a coordinate whose gradient is rounding noise by lr times its sign)
