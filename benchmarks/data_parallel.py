@@ -197,17 +197,21 @@ def _chosen(name):
     return lambda: [getattr(quantities, name)()]
 
 
-def _rank(rank, port, problem, steps, warmup, out):
+def _joined(rank, port, problem) -> tuple[slice, slice]:
+    """Join the gloo group of ``WORLD`` processes; this rank's equal shard of the problem's
+    batch and its unequal one (rank 0 one sample fewer)."""
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
         timeout=timedelta(seconds=600),
     )  # fmt: skip
-    batch = len(PROBLEMS[problem]()[1])
-    per = batch // WORLD
-    shard = slice(rank * per, (rank + 1) * per)
-    # the unequal shards: rank 0 one sample fewer
+    per = len(PROBLEMS[problem]()[1]) // WORLD
     unequal = slice(0, per - 1) if rank == 0 else slice(per, 2 * per)
+    return slice(rank * per, (rank + 1) * per), unequal
+
+
+def _rank(rank, port, problem, steps, warmup, out):
+    shard, unequal = _joined(rank, port, problem)
     economy = lambda forward: Cockpit(forward, configuration("economy"))  # noqa: E731
     viewed = lambda forward: Cockpit(forward, _chosen("economy + Ranks")())  # noqa: E731
     ddp = _timed(problem, economy, steps, warmup, shard, wrap=True)
@@ -473,15 +477,7 @@ def _fsdp_communication(problem, chosen, shard):
 
 
 def _fsdp_rank(rank, port, problem, steps, warmup, out):
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-        timeout=timedelta(seconds=600),
-    )  # fmt: skip
-    batch = len(PROBLEMS[problem]()[1])
-    per = batch // WORLD
-    shard = slice(rank * per, (rank + 1) * per)
-    unequal = slice(0, per - 1) if rank == 0 else slice(per, 2 * per)
+    shard, unequal = _joined(rank, port, problem)
     business = lambda forward: Cockpit(forward, configuration("business"))  # noqa: E731
     economy = lambda forward: Cockpit(forward, configuration("economy"))  # noqa: E731
     timed = {
