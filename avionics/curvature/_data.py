@@ -26,9 +26,10 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, grad_and_value
 from tqdm import tqdm
 
+from avionics.curvature import _columns
 from avionics.curvature._distributed import data_world, sum_on_every_process
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.distributed import unwrap
@@ -171,24 +172,6 @@ def _describe(value) -> str:
     return f"a {type(value).__name__}"
 
 
-def map_columns(
-    product: Callable[[list[Tensor]], list[Tensor]], M: list[Tensor], chunk_size: int | None
-) -> list[Tensor]:
-    """Apply a vector map to every column of ``M`` (last axis), all columns at once, and
-    give the results with the columns last (views).
-
-    ``product`` maps a list of tensors (one vector) to a list of tensors. The columns are
-    mapped in parallel with ``torch.func.vmap``, ``chunk_size`` at a time to bound memory.
-    They are copied to a leading axis first: vmap over the last axis (``in_dims=-1``) is
-    slower on the batching rules' side (the GPT's 16-column GGN: 3.64 s against 3.26 s
-    with the copy, CPU time, 2026-12-02).
-    """
-    if chunk_size is not None and M[0].shape[-1] <= chunk_size:
-        chunk_size = None  # one chunk: skip vmap's concatenation of chunk outputs
-    columns = [m.movedim(-1, 0).contiguous() for m in M]
-    return vmap(product, out_dims=-1, chunk_size=chunk_size)(columns)
-
-
 def accumulate(out: list[Tensor], parts: list[Tensor], weight: float, first: bool) -> None:
     """out += weight * parts, or out = weight * parts at the ``first`` part (one pass)."""
     for total, part in zip(out, parts):
@@ -297,6 +280,7 @@ class ModelDataOperator(CurvatureLinearOperator):
         self._batch_size_fn = batch_size_fn if batch_size_fn is not None else _leading_size
         self._progressbar = progressbar
         self._chunk_size = chunk_size
+        self._linearisation_bytes: int | None = None  # measured at the first block product
         self.num_data, self._shard_size, self._first_batch = self._count_data(
             num_data, batch_size_fn, dtype, device
         )
@@ -475,15 +459,37 @@ class ModelDataOperator(CurvatureLinearOperator):
     def _matmat_batch(self, X: Tensor | Mapping, y: Tensor, M: list[Tensor]) -> list[Tensor]:
         """One batch's matrix times the columns ``M`` (last axis), columns last.
 
-        Several columns go through :meth:`_column_product` in parallel (torch.func.vmap);
-        a single column through :meth:`_vector_product`, which subclasses may implement with
-        plain autograd: it costs less per operation than the torch.func transforms, which
-        matters for small networks.
+        Columns go through :meth:`_column_product` in parallel (torch.func.vmap), in blocks
+        of :meth:`_columns_per_block`; when a block would hold one column, the columns go one
+        after the other through :meth:`_one_column_product`.
         """
-        if M[0].shape[-1] > 1:
-            return map_columns(self._column_product(X, y), M, self._chunk_size)
+        K = M[0].shape[-1]
+        block = 1 if K == 1 else self._columns_per_block(X)
+        if block > 1:
+            return _columns.map_columns(self._column_product(X, y), M, block)
         with torch.enable_grad():
-            return [r.unsqueeze(-1) for r in self._vector_product(X, y, [m[..., 0] for m in M])]
+            product = self._one_column_product(X, y)
+            columns = [product([m[..., k] for m in M]) for k in range(K)]
+        return [torch.stack(parts, dim=-1) for parts in zip(*columns)]
+
+    def _columns_per_block(self, X: Tensor | Mapping) -> int:
+        """How many columns one vmapped block multiplies: ``chunk_size`` (all columns when
+        None), fewer when their linearisations would exceed
+        :data:`~avionics.curvature._columns.COLUMN_BLOCK_BYTES`.
+
+        A column's linearisation is measured, once, as the bytes the forward pass of the
+        first batch multiplied saves for its backward, the parameters left out
+        (:func:`~avionics.curvature._columns.linearisation_bytes`): vmap makes every saved
+        activation ``[columns, ...]``, and past this budget the blocks cost more than a loop
+        over the columns (fresh memory for every batched intermediate; see
+        :mod:`~avionics.curvature._columns`).
+        """
+        if self._linearisation_bytes is None:
+            self._linearisation_bytes = _columns.linearisation_bytes(
+                lambda: self._output(self._leaves, X), self._leaves
+            )
+        fitting = max(1, _columns.COLUMN_BLOCK_BYTES // max(1, self._linearisation_bytes))
+        return fitting if self._chunk_size is None else min(fitting, self._chunk_size)
 
     def _column_product(self, X: Tensor | Mapping, y: Tensor) -> ColumnProduct:
         """The map v -> A_b v of batch b for one column v, written with torch.func (vmappable).
@@ -492,8 +498,17 @@ class ModelDataOperator(CurvatureLinearOperator):
         """
         raise NotImplementedError
 
+    def _one_column_product(self, X: Tensor | Mapping, y: Tensor) -> ColumnProduct:
+        """The map v -> A_b v of batch b for columns one at a time (no vmap), work that they
+        share done once; by default :meth:`_vector_product` for each."""
+        return lambda v: self._vector_product(X, y, v)
+
     def _vector_product(self, X: Tensor | Mapping, y: Tensor, v: list[Tensor]) -> list[Tensor]:
-        """A_b v for one vector v; by default the torch.func column product."""
+        """A_b v for one vector v; by default the torch.func column product.
+
+        Subclasses may implement it with plain autograd: it costs less per operation than
+        the torch.func transforms, which matters for small networks.
+        """
         with torch.no_grad():
             return self._column_product(X, y)(v)
 

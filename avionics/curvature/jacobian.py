@@ -130,5 +130,9 @@ class TransposedJacobianOperator(_OutputsOperator):
         _, output_vjp = vjp(lambda params: self._output(params, X), self._params)
         return lambda u: output_vjp(u[0])[0]
 
+    def _one_column_product(self, X, y):
+        # one forward pass for all the columns, each going back through it
+        return self._column_product(X, y)
+
     def _adjoint(self) -> JacobianOperator:
         return JacobianOperator(**self._adjoint_arguments())

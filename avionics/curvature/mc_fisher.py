@@ -58,9 +58,13 @@ class MCFisherOperator(GGNOperator):
         self._batch_index = self._first_batch
         return super()._local_matmat(M, out)
 
-    def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
-        # called once per batch, in data order
-        generator = batch_generator(self._seed, self._batch_index, self.device)
+    def _matmat_batch(self, X, y, M: list[Tensor]) -> list[Tensor]:
+        # called once per batch, in data order; every column of the batch gets its sample
+        product = super()._matmat_batch(X, y, M)
         self._batch_index += 1
+        return product
+
+    def _output_space_matrix(self, output: Tensor, y: Tensor) -> OutputProduct:
+        generator = batch_generator(self._seed, self._batch_index, self.device)
         S, kappa = sampled_output_gradients(self._loss_fn, output, self._mc_samples, generator)
         return per_sample_outer_product(S, kappa / self._mc_samples)

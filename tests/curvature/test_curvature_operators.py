@@ -8,6 +8,7 @@ from curvature_problems import (
     dense_empirical_fisher,
     dense_ggn,
     dense_hessian,
+    dense_jacobian,
     problem,
 )
 
@@ -15,6 +16,9 @@ from avionics.curvature import (
     EFOperator,
     GGNOperator,
     HessianOperator,
+    JacobianOperator,
+    MCFisherOperator,
+    _columns,
 )
 
 CURVATURES = {
@@ -89,3 +93,48 @@ def test_num_data_given_is_the_number_of_samples():
     given = HessianOperator(model, loss_fn, None, data, num_data=9)
     assert counted.num_data == given.num_data == 9
     torch.testing.assert_close(dense(given), dense(counted), rtol=0, atol=0)
+
+
+def _dense_in_blocks(operator, monkeypatch, columns_per_block: int) -> torch.Tensor:
+    """``dense(operator)`` with ``COLUMN_BLOCK_BYTES`` set so that a vmapped block holds
+    ``columns_per_block`` columns (1: the columns go one at a time)."""
+    first_batch = operator._data[0][0]
+    saved = _columns.linearisation_bytes(
+        lambda: operator._output(operator._leaves, first_batch), operator._leaves
+    )
+    monkeypatch.setattr(_columns, "COLUMN_BLOCK_BYTES", columns_per_block * saved)
+    operator._linearisation_bytes = None
+    assert operator._columns_per_block(first_batch) == columns_per_block
+    return dense(operator)
+
+
+@pytest.mark.parametrize("columns_per_block", [1, 2])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "tied"])
+@pytest.mark.parametrize("curvature", CURVATURES)
+def test_columns_in_blocks_or_one_at_a_time_are_exact(monkeypatch, curvature, name,
+                                                      columns_per_block):  # fmt: skip
+    model, loss_fn, data, _ = problem(name)
+    operator, reference = CURVATURES[curvature]
+    A = operator(model, loss_fn, None, data)
+    blocks = _dense_in_blocks(A, monkeypatch, columns_per_block)
+    torch.testing.assert_close(blocks, reference(model, loss_fn, data))
+
+
+@pytest.mark.parametrize("columns_per_block", [1, 2])
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_jacobians_in_blocks_or_one_at_a_time_are_exact(monkeypatch, name, columns_per_block):
+    model, _, data, _ = problem(name)
+    J = JacobianOperator(model, None, data)
+    reference = dense_jacobian(model, data)
+    torch.testing.assert_close(_dense_in_blocks(J, monkeypatch, columns_per_block), reference)
+    transposed = _dense_in_blocks(J.adjoint(), monkeypatch, columns_per_block)
+    torch.testing.assert_close(transposed, reference.T)
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_mc_fisher_columns_one_at_a_time_share_the_sample_of_all_at_once(monkeypatch, name):
+    model, loss_fn, data, _ = problem(name)
+    F = MCFisherOperator(model, loss_fn, None, data, mc_samples=2, seed=3)
+    all_at_once = dense(F)
+    torch.testing.assert_close(_dense_in_blocks(F, monkeypatch, 1), all_at_once)
+    torch.testing.assert_close(all_at_once, all_at_once.T)
