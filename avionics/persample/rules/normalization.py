@@ -71,11 +71,13 @@ def _per_sample(module, call, x_hat, summed, names, n, d: Tensor) -> list[Tensor
 class NormalizationRule(Rule):
     def __init__(self, module, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
-        grads = [0] * len(names)
+        grads = None
         for call in calls:
             x_hat, summed = _inputs(module, call, n)
             per_call = _per_sample(module, call, x_hat, summed, names, n, output_gradient(call))
-            grads = [g + c for g, c in zip(grads, per_call, strict=True)]
+            if grads is not None:
+                per_call = [g + c for g, c in zip(grads, per_call, strict=True)]
+            grads = per_call
         # the factor on the small sums, not on the output gradient
         self.grads = [g * output_gradient_factor for g in grads]
 
