@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, grad_and_value
 from tqdm import tqdm
 
-from avionics.curvature import _columns
+from avionics.curvature._columns import COLUMN_BLOCK_BYTES, linearisation_bytes, map_columns
 from avionics.curvature._distributed import data_world, sum_on_every_process
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.distributed import unwrap
@@ -466,7 +466,7 @@ class ModelDataOperator(CurvatureLinearOperator):
         K = M[0].shape[-1]
         block = 1 if K == 1 else self._columns_per_block(X)
         if block > 1:
-            return _columns.map_columns(self._column_product(X, y), M, block)
+            return map_columns(self._column_product(X, y), M, block)
         with torch.enable_grad():
             product = self._one_column_product(X, y)
             columns = [product([m[..., k] for m in M]) for k in range(K)]
@@ -485,10 +485,10 @@ class ModelDataOperator(CurvatureLinearOperator):
         :mod:`~avionics.curvature._columns`).
         """
         if self._linearisation_bytes is None:
-            self._linearisation_bytes = _columns.linearisation_bytes(
+            self._linearisation_bytes = linearisation_bytes(
                 lambda: self._output(self._leaves, X), self._leaves
             )
-        fitting = max(1, _columns.COLUMN_BLOCK_BYTES // max(1, self._linearisation_bytes))
+        fitting = max(1, COLUMN_BLOCK_BYTES // max(1, self._linearisation_bytes))
         return fitting if self._chunk_size is None else min(fitting, self._chunk_size)
 
     def _column_product(self, X: Tensor | Mapping, y: Tensor) -> ColumnProduct:

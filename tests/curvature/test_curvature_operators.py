@@ -18,7 +18,7 @@ from avionics.curvature import (
     HessianOperator,
     JacobianOperator,
     MCFisherOperator,
-    _columns,
+    _data,
 )
 
 CURVATURES = {
@@ -99,10 +99,10 @@ def _dense_in_blocks(operator, monkeypatch, columns_per_block: int) -> torch.Ten
     """``dense(operator)`` with ``COLUMN_BLOCK_BYTES`` set so that a vmapped block holds
     ``columns_per_block`` columns (1: the columns go one at a time)."""
     first_batch = operator._data[0][0]
-    saved = _columns.linearisation_bytes(
+    saved = _data.linearisation_bytes(
         lambda: operator._output(operator._leaves, first_batch), operator._leaves
     )
-    monkeypatch.setattr(_columns, "COLUMN_BLOCK_BYTES", columns_per_block * saved)
+    monkeypatch.setattr(_data, "COLUMN_BLOCK_BYTES", columns_per_block * saved)
     operator._linearisation_bytes = None
     assert operator._columns_per_block(first_batch) == columns_per_block
     return dense(operator)
