@@ -95,6 +95,16 @@ def test_num_data_given_is_the_number_of_samples():
     torch.testing.assert_close(dense(given), dense(counted), rtol=0, atol=0)
 
 
+def test_linearisation_bytes_count_the_saved_activations_not_the_parameters():
+    # Linear saves its input [5, 3] for the weight's gradient (the weight, a parameter, is
+    # left out); tanh saves its output [5, 4]: float64, 8 bytes an entry
+    layer = torch.nn.Linear(3, 4).double()
+    x = torch.randn(5, 3, dtype=torch.float64)
+    params = list(layer.parameters())
+    assert _data.linearisation_bytes(lambda: layer(x), params) == 5 * 3 * 8
+    assert _data.linearisation_bytes(lambda: torch.tanh(layer(x)), params) == (5 * 3 + 5 * 4) * 8
+
+
 def _dense_in_blocks(operator, monkeypatch, columns_per_block: int) -> torch.Tensor:
     """``dense(operator)`` with ``COLUMN_BLOCK_BYTES`` set so that a vmapped block holds
     ``columns_per_block`` columns (1: the columns go one at a time)."""
