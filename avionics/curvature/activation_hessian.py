@@ -226,8 +226,8 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         return captured[-1], output, loss
 
     def _new_result(self, K: int) -> Tensor:
-        # [K, D] transposed: the batched backward gives the columns on a leading axis, and
-        # the result is then written by a plain copy (a transposing one costs 1/4 more)
+        # [K, D] transposed: the batched backward takes and gives the columns on a leading
+        # axis, so the result block holds them that way (see _matmat)
         return torch.empty(K, self.shape[0], dtype=self.dtype, device=self.device).T
 
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
@@ -235,16 +235,22 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         chunk = self._chunk_size or K
         for start in range(0, K, chunk):  # columns [*Z, K], chunk_size of them at a time
             columns = slice(start, start + chunk)
-            out[0][..., columns].movedim(-1, 0).copy_(self._hessian_columns(M[0][..., columns]))
+            V, HV = (x[..., columns].movedim(-1, 0) for x in (M[0], out[0]))  # [k, *Z]
+            if HV.is_contiguous() and not V.is_contiguous():
+                # The backward's matrix products need the columns contiguous on the leading
+                # axis: transpose them into the result's memory, which the product then
+                # overwrites, rather than into a copy the backward allocates.
+                V = HV.copy_(V)
+            HV.copy_(self._hessian_columns(V))
 
     def _hessian_columns(self, V: Tensor) -> Tensor:
-        """d2 L / dZ2 applied to the columns of V [*Z, k] (last axis), in one batched
-        backward, which takes and gives them on a leading axis: [k, *Z]."""
-        batched = V.shape[-1] > 1
+        """d2 L / dZ2 applied to the columns of V [k, *Z] (leading axis), in one batched
+        backward: [k, *Z]."""
+        batched = len(V) > 1
         (HV,) = torch.autograd.grad(
             self._loss_gradient,
             self._Z,
-            V.movedim(-1, 0) if batched else V[..., 0],
+            V if batched else V[0],
             retain_graph=True,
             is_grads_batched=batched,
             materialize_grads=True,

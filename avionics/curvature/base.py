@@ -91,7 +91,7 @@ class CurvatureLinearOperator:
         if isinstance(X, Tensor):
             self._check_flat(X)
             columns = X.unsqueeze(-1) if X.ndim == 1 else X
-            AX = columns.new_empty(self.shape[0], columns.shape[1])
+            AX = self._new_result(columns.shape[1])
             self._matmat(
                 split_columns(columns, self.in_shapes), split_columns(AX, self.out_shapes)
             )

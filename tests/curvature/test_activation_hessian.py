@@ -89,6 +89,28 @@ def test_cnn_activations_against_the_autograd_hessian(activation, cut, size, chu
     torch.testing.assert_close(dense(A), expected)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_every_column_layout_and_result_block_against_the_autograd_hessian(chunk_size):
+    # The columns reach the batched backward through the result's memory (row-major V),
+    # directly (column-major V), or as given when the result block is row-major (a scaled
+    # operator's): every way gives the dense Hessian's product, bit for bit the same.
+    model, loss_fn, data, _ = problem("cnn")
+    X, y = data[0]
+    A = ActivationHessianOperator(
+        model, loss_fn, ("3", "input", 0), [(X, y)], chunk_size=chunk_size
+    )
+    Z = model[:3](X).detach()
+    expected = hessian(lambda z: loss_fn(model[3:](z.view_as(Z)), y), Z.flatten())
+    V = torch.randn(A.shape[1], 12, dtype=torch.float64)
+    given = V.clone()
+    row_major = A @ V
+    torch.testing.assert_close(row_major, expected @ V)
+    for other in (A @ V.T.contiguous().T, (1.0 * A) @ V, A @ [V.view(*Z.shape, 12)]):
+        other = other[0].view(-1, 12) if isinstance(other, list) else other
+        torch.testing.assert_close(other, row_major, rtol=0, atol=0)
+    assert torch.equal(V, given)  # the operator did not write into the columns given
+
+
 def test_input_used_outside_its_module_counts_every_use():
     """The norm's input is the embedding output, which the residual connection also uses."""
     model, loss_fn, data, _ = problem("transformer")
