@@ -111,6 +111,23 @@ def test_every_column_layout_and_result_block_against_the_autograd_hessian(chunk
     assert torch.equal(V, given)  # the operator did not write into the columns given
 
 
+def test_tied_weights_activation_against_the_autograd_hessian():
+    # Z is the first layer's output: the layer after it shares the first one's weight.
+    model, loss_fn, data, _ = problem("tied")
+    X, y = data[1]
+    A = ActivationHessianOperator(model, loss_fn, ("first", "output", 0), [(X, y)])
+    Z = model.first(X).detach()
+
+    def loss(z):
+        return loss_fn(model.head(torch.tanh(model.second(torch.tanh(z.view_as(Z))))), y)
+
+    expected = hessian(loss, Z.flatten())
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(dense(A), expected)
+    V = torch.randn(A.shape[1], 7, dtype=torch.float64)
+    torch.testing.assert_close(A @ V, expected @ V)
+
+
 def test_input_used_outside_its_module_counts_every_use():
     """The norm's input is the embedding output, which the residual connection also uses."""
     model, loss_fn, data, _ = problem("transformer")
