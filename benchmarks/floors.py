@@ -18,8 +18,10 @@ sequence; T = 1 without shared axes):
   (always, when norms are needed too).
 * Conv2d weight (groups 1): b_n = sum_l d_l u_l^T over the L output positions, u the unfolded
   input (K = C kh kw rows). Materialised (N O K L) by one grouped convolution (the input as
-  [C, N, H, W], d as N O kernels, groups=N; stride and dilation swap) or by unfold + bmm, the
-  faster in a measurement at the layer's first call; or, where cheaper, norms by the Gram
+  [C, N, H, W], d as N O kernels, groups=N; stride and dilation swap), by unfold + bmm, or
+  (stride 1) by k_h k_w products of d with windows of the flat input (the engine's kernel,
+  :func:`avionics.persample.rules.conv.window_gradients`), the fastest in a measurement at
+  the layer's first call (best of 3, CPU time); or, where cheaper, norms by the Gram
   form sum_{l,l'} (d_l . d_l')(u_l . u_l') (N L^2 (K + O)) and projections b_n . v =
   sum_l d_l^T v u_l by one ordinary convolution of x with v as its weight (N O K L, no
   per-sample buffer; also for projections alone).
@@ -69,6 +71,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from avionics.persample.request import OuterProducts
+from avionics.persample.rules.conv import window_gradients
 from avionics.quantities.binning import Tally1d
 from benchmarks.tools import Plain
 
@@ -308,15 +311,22 @@ class _ConvUse(_Use):
             return d.sum((2, 3))
         x = self.call.x[lo:hi]
         method = self.methods.get(self.module) or self._measure(x, d)
-        return (_grouped if method == "grouped conv" else _unfolded)(x, d, self.module)
+        return CONV_KERNELS[method](x, d, self.module)
 
     def _measure(self, x, d) -> str:
+        """The fastest of the kernels that apply to the layer, each timed (after a warm-up)
+        the best of 3 times on the step's own tensors."""
         times = {}
-        for name, kernel in (("grouped conv", _grouped), ("unfold+bmm", _unfolded)):
+        for name, kernel in CONV_KERNELS.items():
+            if name == "windows" and tuple(self.module.stride) != (1, 1):
+                continue
             kernel(x, d, self.module)  # warm
-            t0 = time.perf_counter()
-            kernel(x, d, self.module)
-            times[name] = time.perf_counter() - t0
+            runs = []
+            for _ in range(3):
+                t0 = time.process_time()
+                kernel(x, d, self.module)
+                runs.append(time.process_time() - t0)
+            times[name] = min(runs)
         self.methods[self.module] = min(times, key=times.get)
         return self.methods[self.module]
 
@@ -369,6 +379,15 @@ def _unfolded(x: Tensor, d: Tensor, conv: nn.Conv2d) -> Tensor:
     """Per-sample weight gradients [N, O, C * kh * kw] by unfold + bmm."""
     u = F.unfold(x, conv.kernel_size, conv.dilation, conv.padding, conv.stride)
     return torch.bmm(d.flatten(2), u.transpose(1, 2))
+
+
+# the kernels materialising a Conv2d weight's b_n [N, O, C, kh, kw] (or [N, O, C kh kw]); the
+# windows of the flat input need stride 1 (avionics.persample.rules.conv.window_gradients)
+CONV_KERNELS = {
+    "grouped conv": _grouped,
+    "unfold+bmm": _unfolded,
+    "windows": lambda x, d, conv: window_gradients(conv, x, d),
+}
 
 
 class _EmbeddingUse(_Use):

@@ -200,35 +200,12 @@ class ConvRule(BilinearRule):
         return total.mul(self.output_gradient_factor).contiguous()
 
     def _window_gradients(self, start: int, stop: int) -> Tensor:
-        """G_n of samples start..stop-1 shaped like the weight, without unfolding.
-
-        With the padded input flattened to rows of its full width W_p, output location (h, w)
-        reads, at kernel offset (i, j), element i d_h W_p + j d_w + (h W_p + w) of the flat
-        input (d: dilation). So if delta is also laid out with row width W_p (zeros in the
-        columns w >= W_out), kernel offset (i, j) of G_n is one matrix product,
-
-            G_n[:, :, i, j] = delta^wide_n  x^flat_n[:, off_ij : off_ij + H_out W_p]^T,
-
-        of a contiguous window of the input: k_h k_w batched products and no copy of the
-        input per offset (unfolding copies it k_h k_w times, slowly)."""
-        m = self.module
-        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
+        """G_n of samples start..stop-1 shaped like the weight, by :func:`window_gradients`
+        summed over the calls."""
         total = None
         for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
-            x = F.pad(x[start:stop], m._reversed_padding_repeated_twice, mode=mode)
-            width = x.shape[-1]
-            length = d.shape[-2] * width
-            # windows of the last kernel column run (kw - 1) dw past the end: zeros there
-            flat = F.pad(x.flatten(2), (0, (kw - 1) * dw))
-            wide = F.pad(d[start:stop], (0, width - d.shape[-1])).flatten(2)  # [n, O, length]
-            g = torch.empty(kh, kw, *wide.shape[:2], flat.shape[1], dtype=d.dtype, device=d.device)
-            for i in range(kh):
-                for j in range(kw):
-                    window = flat[:, :, i * dh * width + j * dw :][:, :, :length]
-                    torch.bmm(wide, window.transpose(1, 2), out=g[i, j])
-            g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
-            total = g.contiguous() if total is None else total.add_(g)
+            g = window_gradients(self.module, x[start:stop], d[start:stop])
+            total = g if total is None else total.add_(g)
         return total.mul_(self.output_gradient_factor)
 
     def total(self) -> list[Tensor]:
@@ -271,6 +248,35 @@ class ConvRule(BilinearRule):
         if len(calls) != 1 or not _single_input(calls[0], module, n):
             return super().column_sums(module, calls, names, n, traces)
         return ConvColumnSums(module, calls[0], names, n, traces)
+
+
+def window_gradients(module: nn.Conv2d, x: Tensor, d: Tensor) -> Tensor:
+    """sum_t d_{n,t} x^unf_{n,t}^T [n, O, C, kh, kw] of a 2d convolution with stride 1 and
+    one group, for its input x and output gradient d, without unfolding.
+
+    With the padded input flattened to rows of its full width W_p, output location (h, w)
+    reads, at kernel offset (i, j), element i d_h W_p + j d_w + (h W_p + w) of the flat input
+    (d: dilation). So if d is also laid out with row width W_p (zeros in the columns w >=
+    W_out), kernel offset (i, j) is one matrix product,
+
+        G_n[:, :, i, j] = d^wide_n  x^flat_n[:, off_ij : off_ij + H_out W_p]^T,
+
+    of a contiguous window of the input: k_h k_w batched products and no copy of the input
+    per offset (unfolding copies it k_h k_w times, slowly)."""
+    (kh, kw), (dh, dw) = module.kernel_size, module.dilation
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    x = F.pad(x, module._reversed_padding_repeated_twice, mode=mode)
+    width = x.shape[-1]
+    length = d.shape[-2] * width
+    # windows of the last kernel column run (kw - 1) dw past the end: zeros there
+    flat = F.pad(x.flatten(2), (0, (kw - 1) * dw))
+    wide = F.pad(d, (0, width - d.shape[-1])).flatten(2)  # [n, O, length]
+    g = torch.empty(kh, kw, *wide.shape[:2], flat.shape[1], dtype=d.dtype, device=d.device)
+    for i in range(kh):
+        for j in range(kw):
+            window = flat[:, :, i * dh * width + j * dw :][:, :, :length]
+            torch.bmm(wide, window.transpose(1, 2), out=g[i, j])
+    return g.permute(2, 3, 4, 0, 1).contiguous()  # [n, O, C, kh, kw]
 
 
 def _single_input(call, module, n: int) -> bool:
