@@ -19,10 +19,11 @@ sequence; T = 1 without shared axes):
 * Conv2d weight (groups 1): b_n = sum_l d_l u_l^T over the L output positions, u the unfolded
   input (K = C kh kw rows). Materialised (N O K L) by one grouped convolution (the input as
   [C, N, H, W], d as N O kernels, groups=N; stride and dilation swap), by unfold + bmm, or
-  (stride 1) by k_h k_w products of d with windows of the flat input (the engine's kernel,
-  :func:`avionics.persample.rules.conv.window_gradients`), the fastest in a measurement at
-  the layer's first call (best of 3, CPU time); or, where cheaper, norms by the Gram
-  form sum_{l,l'} (d_l . d_l')(u_l . u_l') (N L^2 (K + O)) and projections b_n . v =
+  by the layer's weight-gradient kernel on one convolution with the samples as groups (x as
+  [1, N C, H, W], d as [1, N O, H', W'], groups=N: the engine's kernel,
+  :func:`avionics.persample.rules.conv.sample_group_gradients`), the fastest in a
+  measurement at the layer's first call (best of 3, CPU time); or, where cheaper, norms by
+  the Gram form sum_{l,l'} (d_l . d_l')(u_l . u_l') (N L^2 (K + O)) and projections b_n . v =
   sum_l d_l^T v u_l by one ordinary convolution of x with v as its weight (N O K L, no
   per-sample buffer; also for projections alone).
 * Embedding, b_n = sum_t e_t onehot(i_t)^T: ||b_n||^2 from b_n materialised by index_add
@@ -71,7 +72,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from avionics.persample.request import OuterProducts
-from avionics.persample.rules.conv import window_gradients
+from avionics.persample.rules.conv import sample_group_gradients
 from avionics.quantities.binning import Tally1d
 from benchmarks.tools import Plain
 
@@ -318,8 +319,6 @@ class _ConvUse(_Use):
         the best of 3 times on the step's own tensors."""
         times = {}
         for name, kernel in CONV_KERNELS.items():
-            if name == "windows" and tuple(self.module.stride) != (1, 1):
-                continue
             kernel(x, d, self.module)  # warm
             runs = []
             for _ in range(3):
@@ -381,12 +380,11 @@ def _unfolded(x: Tensor, d: Tensor, conv: nn.Conv2d) -> Tensor:
     return torch.bmm(d.flatten(2), u.transpose(1, 2))
 
 
-# the kernels materialising a Conv2d weight's b_n [N, O, C, kh, kw] (or [N, O, C kh kw]); the
-# windows of the flat input need stride 1 (avionics.persample.rules.conv.window_gradients)
+# the kernels materialising a Conv2d weight's b_n [N, O, C, kh, kw] (or [N, O, C kh kw])
 CONV_KERNELS = {
     "grouped conv": _grouped,
     "unfold+bmm": _unfolded,
-    "windows": lambda x, d, conv: window_gradients(conv, x, d),
+    "samples as groups": lambda x, d, conv: sample_group_gradients(conv, x, d),
 }
 
 
