@@ -3,10 +3,11 @@
 A layer with several exact ways to answer a request (a convolution's per-sample gradients G_n
 by unfolding, by one grouped convolution or by the weight gradient of the samples as groups;
 its squared norms from the materialised G_n or by the Gram form; its projections G_n . V by
-its own convolution or the unfolded closed form) offers them as *plans*. :func:`choose` takes the plan the layer's
-rule names: by FLOPs between materialising G_n and the Gram form with projections
-(:meth:`~avionics.persample.rules.bilinear.Bilinear._prior`), by the layer's shape between its
-own kernels and the unfolded ones (:meth:`~avionics.persample.rules.conv.ConvRule.kernels`).
+its own convolution or the unfolded closed form) offers them as *plans*. :func:`choose` takes
+the plan the layer's rule names: by FLOPs between materialising G_n and the Gram form with
+projections (:meth:`~avionics.persample.rules.bilinear.Bilinear._prior`), by the layer's shape
+between its own kernels and the unfolded ones
+(:meth:`~avionics.persample.rules.conv.ConvRule.kernels`).
 
 The rule is fixed, the same for every run, dtype and load of the machine. It replaced timing
 the plans at a layer's first step, which cost a fresh process's first tracked step 4-9x a later
