@@ -130,3 +130,51 @@ def test_the_economy_floor_of_attention_and_root_parameters_equals_avionics(name
     counted = floor.values[0]["GradHist1d"]
     assert counted == [float(c) for c in expected["GradHist1d"]["hist"]]
     assert sum(counted) == len(X) * sum(p.numel() for p in model.parameters())
+
+
+def test_the_economy_floor_of_the_resnet_in_train_mode_equals_avionics():
+    """BatchNorm by the batch's statistics (each sample's share of the batch gradient, as
+    tests/persample/test_batchnorm.py checks avionics' against a brute force): the floor's
+    gradient tests and histogram counts equal the cockpit's (float64)."""
+    from avionics import configuration
+    from benchmarks.tools import Avionics
+    from tests.real_models import ALL_MODELS
+
+    model, X, y, loss_fn = ALL_MODELS["resnet"](dtype=torch.float64, n=6, image=8)
+    model.train()
+    model.dropout.p = 0.0  # (the two steps draw no random numbers)
+    floor = Floor(copy.deepcopy(model), loss_fn, "sgd", "economy")
+    ours = Avionics(copy.deepcopy(model), loss_fn, "sgd", configuration("economy"))
+    floor.step(0, X, y)
+    with pytest.warns(UserWarning, match="share of the batch gradient"):
+        ours.step(0, X, y)
+    expected = ours.cockpit.get_output()[0]
+    for test in ("NormTest", "InnerTest", "OrthoTest"):
+        assert floor.values[0][test] == pytest.approx(expected[test], rel=1e-10)
+    assert floor.values[0]["GradHist1d"] == [float(c) for c in expected["GradHist1d"]["hist"]]
+
+
+@pytest.mark.parametrize("kernel", ["grouped conv", "unfold+bmm", "samples as groups"])
+def test_every_conv_kernel_of_the_floor_equals_per_sample_gradients_by_a_loop(kernel):
+    """Each kernel the floor measures for a Conv2d weight, taken for every convolution (a
+    dilated one with padding, a strided one with an uneven kernel)."""
+    from benchmarks.floors import _ConvUse
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3, padding=2, dilation=2), nn.Tanh(),
+        nn.Conv2d(3, 4, (2, 3), stride=2, padding=1), nn.Tanh(),
+        nn.Flatten(), nn.LazyLinear(3),
+    ).double()  # fmt: skip
+    X, y = torch.randn(5, 2, 6, 7, dtype=torch.float64), torch.randint(0, 3, (5,))
+    model(X)  # materialise the lazy layer
+    reference = copy.deepcopy(model)
+    floor = Floor(model, _losses, "sgd", "three tests")
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            _ConvUse.methods[m] = kernel
+    floor.step(0, X, y)
+    assert set(floor.kernels().values()) == {kernel}
+    norm, inner = _reference(reference, X, y, _losses)
+    assert floor.values[0]["NormTest"] == pytest.approx(norm, rel=1e-10)
+    assert floor.values[0]["InnerTest"] == pytest.approx(inner, rel=1e-10)

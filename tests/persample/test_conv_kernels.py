@@ -1,9 +1,10 @@
 """Convolution per-sample kernels chosen by a fixed per-shape rule (issues 17 and 25).
 
-Every plan of a convolution (G_n by unfolding, by windows of the flat input, by one grouped
-convolution; the Gram form with projections by the unfolded input or the layer's own
-convolution) is forced in turn and checked against the loop over samples in float64; the
-rule's choice is checked per layer shape: the same for every dtype and run, logged once.
+Every plan of a convolution (G_n by unfolding, by one grouped convolution, by the weight
+gradient of the samples as groups; the Gram form with projections by the unfolded input or the
+layer's own convolution) is forced in turn and checked against the loop over samples in
+float64; the rule's choice is checked per layer shape: the same for every dtype and run,
+logged once.
 """
 
 import logging
@@ -51,7 +52,7 @@ LAYERS = {
     ),
 }
 
-GRADIENT_KERNELS = ["unfold + bmm", conv.GROUPED, conv.WINDOWS]
+GRADIENT_KERNELS = ["unfold + bmm", conv.GROUPED, conv.SAMPLES_AS_GROUPS]
 PROJECTION_KERNELS = ["the unfolded input", conv.CONVOLUTION]
 
 # what each request needs of the per-sample gradients
@@ -102,17 +103,10 @@ def assert_matches_the_loop(model, X, y, loss_fn, requests):
                 torch.testing.assert_close(stats.projections[d][k], expected, rtol=RTOL, atol=ATOL)
 
 
-def has_windows(make_layer) -> bool:
-    layer = make_layer()
-    return conv._plain_2d(layer) and tuple(layer.stride) == (1, 1)
-
-
 @pytest.mark.parametrize("kernel", GRADIENT_KERNELS)
 @pytest.mark.parametrize("layer", sorted(LAYERS))
 def test_materialised_gradients_of_every_kernel_match_the_loop(layer, kernel):
     module, shape = LAYERS[layer]
-    if kernel == conv.WINDOWS and not has_windows(module):
-        pytest.skip("the windows of the flat input apply to 2d convolutions with stride 1")
     with kernels.forcing(f"G_n by {kernel}"):
         assert_matches_the_loop(*problem(module, shape), [EVERYTHING, NORMS, PROJECTION])
 
@@ -159,7 +153,7 @@ def test_the_3c3d_network_matches_the_loop_by_every_kernel():
     X, y = torch.randn(2, 3, 16, 16, dtype=torch.float64), torch.randint(0, 10, (2,))
     for forced in [
         (f"G_n by {conv.GROUPED}",),
-        (f"G_n by {conv.WINDOWS}", "G_n by unfold + bmm"),
+        (f"G_n by {conv.SAMPLES_AS_GROUPS}",),
         (f"Gram form, projections by {conv.CONVOLUTION}", f"projections by {conv.CONVOLUTION}"),
     ]:
         with kernels.forcing(*forced):
@@ -195,18 +189,27 @@ def rule_plan(make_layer, shape, request, dtype=torch.float64) -> str:
     [
         # one channel per group: the grouped convolution (4x faster than unfolding)
         (lambda: nn.Conv2d(4, 4, 3, padding=1, groups=4), (4, 8, 8), f"G_n by {conv.GROUPED}"),
-        # 8 input channels per group, without windows (groups): unfolding
-        (lambda: nn.Conv2d(16, 4, 3, padding=1, groups=2), (16, 8, 8), "G_n by unfold + bmm"),
         # fewer than 8 input channels: the grouped convolution
         (lambda: nn.Conv2d(3, 8, 3, padding=1), (3, 8, 8), f"G_n by {conv.GROUPED}"),
-        # wide, stride 1, 64 output positions: the windows of the flat input
-        (lambda: nn.Conv2d(8, 4, 3, padding=1), (8, 8, 8), f"G_n by {conv.WINDOWS}"),
-        # wide, stride 1, 36 output positions: unfolding (the windows are small products)
+        # wide, 64 output positions: the weight gradient of the samples as groups, with
+        # groups, stride 2 and in 1d too
+        (lambda: nn.Conv2d(8, 4, 3, padding=1), (8, 8, 8), f"G_n by {conv.SAMPLES_AS_GROUPS}"),
+        (
+            lambda: nn.Conv2d(16, 4, 3, padding=1, groups=2),
+            (16, 8, 8),
+            f"G_n by {conv.SAMPLES_AS_GROUPS}",
+        ),
+        (
+            lambda: nn.Conv2d(8, 4, 3, stride=2, padding=1),
+            (8, 16, 16),
+            f"G_n by {conv.SAMPLES_AS_GROUPS}",
+        ),
+        (lambda: nn.Conv1d(8, 4, 3), (8, 66), f"G_n by {conv.SAMPLES_AS_GROUPS}"),
+        # wide, 36 output positions: unfolding
         (lambda: nn.Conv2d(8, 4, 3, padding=1), (8, 6, 6), "G_n by unfold + bmm"),
-        # wide, stride 2: unfolding
-        (lambda: nn.Conv2d(8, 4, 3, stride=2, padding=1), (8, 16, 16), "G_n by unfold + bmm"),
-        # 1d: unfolding
-        (lambda: nn.Conv1d(8, 4, 3), (8, 70), "G_n by unfold + bmm"),
+        (lambda: nn.Conv1d(8, 4, 3), (8, 65), "G_n by unfold + bmm"),  # 63 positions
+        # a 1 x 1 kernel: unfolding (a copy of the input)
+        (lambda: nn.Conv2d(8, 4, 1), (8, 8, 8), "G_n by unfold + bmm"),
     ],
 )
 def test_the_rule_forms_materialised_gradients_by_the_layers_shape(layer, shape, plan):

@@ -107,21 +107,21 @@ class ConvTwice(nn.Module):
         return self.conv(torch.tanh(self.conv(x)))
 
 
-def test_convolutions_by_windows_of_the_flat_input(monkeypatch):
-    """2d convolutions with stride 1, one group, enough input channels and at least
-    _WINDOW_POSITIONS output positions form G_n from windows of their flat padded input
-    (ConvRule.kernels), not by unfolding."""
+def test_convolutions_by_the_weight_gradient_of_the_samples_as_groups(monkeypatch):
+    """Convolutions with enough input channels and at least _MANY_POSITIONS output positions
+    form G_n by the weight gradient of one convolution with the samples as groups
+    (ConvRule.kernels), not by unfolding: padding modes, dilation, a layer called twice."""
     from avionics.persample.rules import conv
 
     used = []
-    by_windows = conv.ConvRule._window_gradients
+    by_groups = conv.ConvRule._sample_group_gradients
 
     def spy(self, start, stop):
-        g = by_windows(self, start, stop)
+        g = by_groups(self, start, stop)
         used.append(g is not None)
         return g
 
-    monkeypatch.setattr(conv.ConvRule, "_window_gradients", spy)
+    monkeypatch.setattr(conv.ConvRule, "_sample_group_gradients", spy)
     c = conv._WIDE_CHANNELS
     for layers, shape in [
         ([nn.Conv2d(c, 3, (3, 2), padding=(1, 2), dilation=(2, 1))], (c, 9, 8)),  # 7 x 11

@@ -36,13 +36,14 @@ _WEIGHT_GRADIENT = {
 }
 # The layer's own kernels (see ConvRule.kernels).
 GROUPED = "grouped convolution"
-WINDOWS = "windows of the flat input"
+SAMPLES_AS_GROUPS = "the weight gradient of the samples as groups"
 CONVOLUTION = "the layer's convolution"
 # Fewest input channels per group of a 2d convolution from which its G_n are not formed by the
-# grouped convolution, and fewest output positions from which they are formed by the
-# windows of the flat input (BENCHMARKS.md, "Measurements behind the engine's choices").
+# grouped convolution, and fewest output positions from which they are formed by the weight
+# gradient of the samples as groups (BENCHMARKS.md, "Measurements behind the engine's
+# choices").
 _WIDE_CHANNELS = 8
-_WINDOW_POSITIONS = 64
+_MANY_POSITIONS = 64
 # Bytes of pending column gradients a convolution may hold before they are reduced, and of
 # one chunk of per-sample, per-column convolution gradients (kept small: it stays in cache).
 CONV_PENDING_BYTES = 64 * 2**20
@@ -77,12 +78,6 @@ def unfold(module: nn.modules.conv._ConvNd, x: Tensor) -> Tensor:
     return cols.reshape(x.shape[0], channels * k, -1)
 
 
-def _plain_2d(module: nn.modules.conv._ConvNd) -> bool:
-    """A 2d convolution with one group: where the layer's input channels decide between its
-    own kernels and unfolding."""
-    return module.weight.dim() == 4 and module.groups == 1
-
-
 class ConvRule(BilinearRule):
     def __init__(self, module: nn.modules.conv._ConvNd, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
@@ -98,25 +93,28 @@ class ConvRule(BilinearRule):
         self.delta = concatenate(ds, 2) * output_gradient_factor  # [N, G, T, O/G]
 
     def kernels(self) -> LayerKernels:
-        """The layer's own kernels: G_n by one grouped convolution, by windows of the flat
-        input (2d convolutions with stride 1 and one group), and G_n . V by the layer's own
-        convolution; :mod:`kernels` takes the ones this rule names.
+        """The layer's own kernels: G_n by one grouped convolution, by the weight gradient of
+        the samples as groups, and G_n . V by the layer's own convolution; :mod:`kernels` takes
+        the ones this rule names.
 
         The rule (BENCHMARKS.md, "Measurements behind the engine's choices", from
         ``benchmarks/conv_plans.py``): G_n by the grouped convolution for 2d layers with
         fewer than _WIDE_CHANNELS input channels per group (1.6-4.5x faster than unfolding
-        there), by the windows where they apply and the output has at least
-        _WINDOW_POSITIONS positions (fewer make k_h k_w small products: 1.7-2.4x slower than
-        unfolding), else by unfolding; G_n . V by the layer's own convolution."""
+        there), by the weight gradient of the samples as groups where the kernel has more than
+        one offset and the output at least _MANY_POSITIONS positions (1.3-3.2x faster than
+        unfolding and 1.4-2.0x faster than the windows of the flat input it replaced; with
+        fewer positions or a 1 x 1 kernel unfolding is cheap, 1.1-1.3x faster than it), else
+        by unfolding; G_n . V by the layer's own convolution."""
         m = self.module
-        gradients = {GROUPED: self._grouped_gradients}
+        gradients = {
+            GROUPED: self._grouped_gradients,
+            SAMPLES_AS_GROUPS: self._sample_group_gradients,
+        }
         positions = min(math.prod(d.shape[2:]) for d in self.raw_deltas)
-        if _plain_2d(m) and tuple(m.stride) == (1, 1):
-            gradients[WINDOWS] = self._window_gradients
         if m.weight.dim() == 4 and m.in_channels // m.groups < _WIDE_CHANNELS:
             prior = GROUPED
-        elif WINDOWS in gradients and positions >= _WINDOW_POSITIONS:
-            prior = WINDOWS
+        elif positions >= _MANY_POSITIONS and math.prod(m.kernel_size) > 1:
+            prior = SAMPLES_AS_GROUPS
         else:
             prior = UNFOLDED_GRADIENTS
         return LayerKernels(
@@ -169,6 +167,15 @@ class ConvRule(BilinearRule):
             parts.append(part)
         return torch.cat(parts) * self.output_gradient_factor
 
+    def _sample_group_gradients(self, start: int, stop: int) -> Tensor:
+        """G_n of samples start..stop-1 shaped like the weight, by
+        :func:`sample_group_gradients` summed over the calls."""
+        total = None
+        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
+            g = sample_group_gradients(self.module, x[start:stop], d[start:stop])
+            total = g if total is None else total.add_(g)
+        return total.mul_(self.output_gradient_factor)
+
     def _grouped_gradients(self, start: int, stop: int) -> Tensor:
         """G_n of samples start..stop-1 shaped like the weight, by one grouped convolution per
         call (the trick of Opacus and BackPACK), without unfolding.
@@ -198,38 +205,6 @@ class ConvRule(BilinearRule):
             g = g.reshape(g.shape[0], samples, d.shape[1], *kernel).movedim(0, 2)
             total = g if total is None else total + g
         return total.mul(self.output_gradient_factor).contiguous()
-
-    def _window_gradients(self, start: int, stop: int) -> Tensor:
-        """G_n of samples start..stop-1 shaped like the weight, without unfolding.
-
-        With the padded input flattened to rows of its full width W_p, output location (h, w)
-        reads, at kernel offset (i, j), element i d_h W_p + j d_w + (h W_p + w) of the flat
-        input (d: dilation). So if delta is also laid out with row width W_p (zeros in the
-        columns w >= W_out), kernel offset (i, j) of G_n is one matrix product,
-
-            G_n[:, :, i, j] = delta^wide_n  x^flat_n[:, off_ij : off_ij + H_out W_p]^T,
-
-        of a contiguous window of the input: k_h k_w batched products and no copy of the
-        input per offset (unfolding copies it k_h k_w times, slowly)."""
-        m = self.module
-        (kh, kw), (dh, dw) = m.kernel_size, m.dilation
-        mode = "constant" if m.padding_mode == "zeros" else m.padding_mode
-        total = None
-        for x, d in zip(self.raw_inputs, self.raw_deltas, strict=True):
-            x = F.pad(x[start:stop], m._reversed_padding_repeated_twice, mode=mode)
-            width = x.shape[-1]
-            length = d.shape[-2] * width
-            # windows of the last kernel column run (kw - 1) dw past the end: zeros there
-            flat = F.pad(x.flatten(2), (0, (kw - 1) * dw))
-            wide = F.pad(d[start:stop], (0, width - d.shape[-1])).flatten(2)  # [n, O, length]
-            g = torch.empty(kh, kw, *wide.shape[:2], flat.shape[1], dtype=d.dtype, device=d.device)
-            for i in range(kh):
-                for j in range(kw):
-                    window = flat[:, :, i * dh * width + j * dw :][:, :, :length]
-                    torch.bmm(wide, window.transpose(1, 2), out=g[i, j])
-            g = g.permute(2, 3, 4, 0, 1)  # [n, O, C, kh, kw]
-            total = g.contiguous() if total is None else total.add_(g)
-        return total.mul_(self.output_gradient_factor)
 
     def total(self) -> list[Tensor]:
         """sum_n g_n per parameter, for the engine's check against autograd: the weight's by
@@ -271,6 +246,28 @@ class ConvRule(BilinearRule):
         if len(calls) != 1 or not _single_input(calls[0], module, n):
             return super().column_sums(module, calls, names, n, traces)
         return ConvColumnSums(module, calls[0], names, n, traces)
+
+
+def sample_group_gradients(module: nn.modules.conv._ConvNd, x: Tensor, d: Tensor) -> Tensor:
+    """sum_t d_{n,t} x^unf_{n,t}^T [n, *weight shape] of a convolution for its input x
+    [n, C, *S] and output gradient d [n, O, *T], by the convolution's own weight-gradient
+    kernel (``torch.nn.grad.conv*d_weight``, as autograd computes the layer's) for one call of
+    the layer with the samples as groups.
+
+    With x as [1, n C, *S] and d as [1, n O, *T], the convolution with n G groups (the
+    layer's stride, padding, dilation) maps group (n, g) of x's channels, sample n's group g,
+    to group (n, g) of d's, sample n's output channels of group g; so its weight gradient
+    [n O, C/G, *k] holds sum_t d_{n,g,t} x^unf_{n,g,t}^T for each (n, g) in turn: the G_n
+    stacked, by one call of the kernel autograd runs for the layer (no unfolding)."""
+    x, padding = _padded(module, x)
+    samples, shape = x.shape[0], module.weight.shape
+    d = d.to(x.dtype)
+    g = _WEIGHT_GRADIENT[len(module.kernel_size)](
+        x.reshape(1, -1, *x.shape[2:]), (samples * shape[0], *shape[1:]),
+        d.reshape(1, -1, *d.shape[2:]), module.stride, padding, module.dilation,
+        samples * module.groups,
+    )  # fmt: skip
+    return g.view(samples, *shape)
 
 
 def _single_input(call, module, n: int) -> bool:

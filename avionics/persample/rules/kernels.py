@@ -1,12 +1,13 @@
 """Per-layer kernels chosen by a fixed per-shape rule (issues 17 and 25).
 
 A layer with several exact ways to answer a request (a convolution's per-sample gradients G_n
-by unfolding, by windows of its flat input or by one grouped convolution; its squared norms
-from the materialised G_n or by the Gram form; its projections G_n . V by its own convolution
-or the unfolded closed form) offers them as *plans*. :func:`choose` takes the plan the layer's
-rule names: by FLOPs between materialising G_n and the Gram form with projections
-(:meth:`~avionics.persample.rules.bilinear.Bilinear._prior`), by the layer's shape between its
-own kernels and the unfolded ones (:meth:`~avionics.persample.rules.conv.ConvRule.kernels`).
+by unfolding, by one grouped convolution or by the weight gradient of the samples as groups;
+its squared norms from the materialised G_n or by the Gram form; its projections G_n . V by
+its own convolution or the unfolded closed form) offers them as *plans*. :func:`choose` takes
+the plan the layer's rule names: by FLOPs between materialising G_n and the Gram form with
+projections (:meth:`~avionics.persample.rules.bilinear.Bilinear._prior`), by the layer's shape
+between its own kernels and the unfolded ones
+(:meth:`~avionics.persample.rules.conv.ConvRule.kernels`).
 
 The rule is fixed, the same for every run, dtype and load of the machine. It replaced timing
 the plans at a layer's first step, which cost a fresh process's first tracked step 4-9x a later
@@ -93,8 +94,8 @@ def choose(key: tuple, plans: dict[str, Plan], prior: str, describe: Callable[[]
 
 
 def _explain(plans: dict[str, Plan], name: str) -> str:
-    """'G_n by windows of the flat input (by the layer's rule; FLOPs over its: G_n by unfold +
-    bmm 1.0x, Gram form 22.7x)'."""
+    """'G_n by grouped convolution (by the layer's rule; FLOPs over its: G_n by unfold + bmm
+    1.0x, Gram form 22.7x)'."""
     flops = plans[name].flops
     others = ", ".join(f"{n} {p.flops / flops:.1f}x" for n, p in plans.items() if n != name)
     return f"{name} (by the layer's rule" + (f"; FLOPs over its: {others})" if others else ")")

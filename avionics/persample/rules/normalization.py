@@ -1,13 +1,15 @@
 """Normalisation layers: y = x_hat * w + b, elementwise in the normalised features.
 
 Per sample n: grad w = sum over the other axes of delta * x_hat, grad b = the same sum of
-delta, where x_hat is recomputed from the captured input exactly as the layer computes it:
+delta, where x_hat is recomputed from the captured input as the layer computes it:
 
 * LayerNorm: x_hat = (x - mean) / sqrt(var + eps) over the last ``normalized_shape`` axes.
 * RMSNorm: x_hat = x / sqrt(mean(x^2) + eps) over the same axes.
 * GroupNorm: mean and var per sample and group of channels; weights per channel.
-* BatchNorm: running statistics in eval mode. In train mode the batch statistics couple the
-  samples; what is computed is each sample's share delta_n * x_hat_n of the batch gradient.
+* BatchNorm: mean and var per channel, over the batch and the spatial axes in train mode
+  (the running statistics in eval mode); grad w = (sum_l delta_l (x_l - mean)) / sqrt(var +
+  eps), x_hat not formed. In train mode the batch statistics couple the samples; what is
+  computed is each sample's share delta_n * x_hat_n of the batch gradient.
 
 These gradients are small (the size of the normalised features), so they are materialised
 for all samples at once.
@@ -23,7 +25,8 @@ from avionics.persample.rules.base import Rule, batch_first, output_gradient
 
 
 def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
-    """x_hat, and how many leading axes (batch included) are summed over."""
+    """x_hat of a LayerNorm, RMSNorm or GroupNorm input (features last), and how many
+    leading axes (batch included) are summed over."""
     # x_hat by the layer's own kernel without its affine part: the same numbers as its forward
     if isinstance(module, nn.LayerNorm | nn.RMSNorm):
         shape = module.normalized_shape
@@ -32,40 +35,64 @@ def _normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, int]:
         else:
             x_hat = F.rms_norm(x, shape, None, module.eps)
         return x_hat, x.dim() - len(shape)
-    if isinstance(module, nn.GroupNorm):
-        x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
-        return x_hat.movedim(1, -1), x.dim() - 1
-    # BatchNorm: channels on axis 1
-    if module.training or module.running_mean is None:  # the engine warns of it
-        dims = tuple(d for d in range(x.dim()) if d != 1)
-        var, mean = torch.var_mean(x, dims, keepdim=True, correction=0)
-    else:
-        shape = [1, -1] + [1] * (x.dim() - 2)
-        mean, var = module.running_mean.reshape(shape), module.running_var.reshape(shape)
-    x_hat = (x - mean) * torch.rsqrt(var + module.eps)
+    x_hat = F.group_norm(x, module.num_groups, None, None, module.eps)
     return x_hat.movedim(1, -1), x.dim() - 1
 
 
-def _inputs(module: nn.Module, call, n: int) -> tuple[Tensor, tuple[int, ...]]:
-    """x_hat of one call (batch first, features last) and the axes its per-sample sums run
-    over."""
-    x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
-    x_hat, lead = _normalized(module, x)
-    return x_hat, tuple(range(1, lead))
+def _batch_normalized(module: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """A BatchNorm input [N, C, *spatial] as (x - mean) [N, C, L] and 1 / sqrt(var + eps) [C],
+    so that x_hat = (x - mean) / sqrt(var + eps): the running statistics in eval mode, else
+    the batch's, the mean over the N L values of each channel and then the biased variance of
+    the centred values (two passes, as stable as the layer's own).
+
+    x_hat is never formed: per sample, grad w = (sum_l delta_l (x_l - mean)) / sqrt(var + eps)
+    is one dot product per channel scaled afterwards (the layer's kernels or torch.var_mean
+    over axes (0, 2, ...) took 3-7x longer on the ResNet's BatchNorm2d inputs, as they also
+    wrote x_hat or reduced across strided axes)."""
+    n, c = x.shape[:2]
+    x = x.reshape(n, c, -1)
+    if module.training or module.running_mean is None:  # the engine warns of it
+        centred = x - x.mean((0, 2), keepdim=True)
+        var = torch.linalg.vecdot(centred, centred).sum(0) / (n * x.shape[2])
+    else:
+        centred, var = x - module.running_mean[:, None], module.running_var
+    return centred, torch.rsqrt(var + module.eps)
 
 
-def _features_last(module, call, n: int, d: Tensor) -> Tensor:
-    """Output gradient ``d`` of ``call``, batch first and features last (as x_hat)."""
-    d = batch_first(d, call.batch_axis, n, f"{type(module).__name__} output")
-    return d if isinstance(module, nn.LayerNorm | nn.RMSNorm) else d.movedim(1, -1)
+class _Normalized:
+    """x_hat of one call, laid out for the per-sample sums of delta * x_hat (weight) and of
+    delta (bias): a BatchNorm's as (x - mean) [N, C, L] and its scale 1 / sqrt(var + eps) [C]
+    (:func:`_batch_normalized`, summed over the last axis), the others' x_hat with the
+    features last (summed over the axes between the batch and the features)."""
 
+    def __init__(self, module: nn.Module, call, n: int):
+        self.module, self.call, self.n = module, call, n
+        x = batch_first(call.args[0], call.batch_axis, n, f"{type(module).__name__} input")
+        self.batch_norm = isinstance(module, nn.modules.batchnorm._BatchNorm)
+        if self.batch_norm:
+            self.x_hat, self.scale = _batch_normalized(module, x)
+        else:
+            self.x_hat, lead = _normalized(module, x)
+            self.summed = tuple(range(1, lead))
 
-def _per_sample(module, call, x_hat, summed, names, n, d: Tensor) -> list[Tensor]:
-    """Each name's per-sample gradient [N, *features] for output gradient ``d`` of ``call``
-    (factor 1): sum over ``summed`` of d * x_hat (weight) or d (bias)."""
-    d = _features_last(module, call, n, d)
-    grads = [d * x_hat if name == "weight" else d for name in names]
-    return [g.sum(summed) if summed else g for g in grads]
+    def layout(self, d: Tensor) -> Tensor:
+        """Output gradient ``d`` of the call, batch first and laid out as x_hat."""
+        d = batch_first(d, self.call.batch_axis, self.n, f"{type(self.module).__name__} output")
+        if self.batch_norm:
+            return d.reshape(self.n, d.shape[1], -1)
+        return d if isinstance(self.module, nn.LayerNorm | nn.RMSNorm) else d.movedim(1, -1)
+
+    def sums(self, d: Tensor, names, lead: int = 0) -> list[Tensor]:
+        """Each name's per-sample gradient [*lead axes, N, *features] for ``d`` laid out as
+        x_hat after ``lead`` leading axes (columns; factor 1)."""
+        if self.batch_norm:
+            return [
+                torch.linalg.vecdot(d, self.x_hat) * self.scale if name == "weight" else d.sum(-1)
+                for name in names
+            ]
+        axes = tuple(a + lead for a in self.summed)
+        grads = [d * self.x_hat if name == "weight" else d for name in names]
+        return [g.sum(axes) if axes else g for g in grads]
 
 
 class NormalizationRule(Rule):
@@ -73,8 +100,8 @@ class NormalizationRule(Rule):
         super().__init__(module, calls, names, n, output_gradient_factor)
         grads = None
         for call in calls:
-            x_hat, summed = _inputs(module, call, n)
-            per_call = _per_sample(module, call, x_hat, summed, names, n, output_gradient(call))
+            normalized = _Normalized(module, call, n)
+            per_call = normalized.sums(normalized.layout(output_gradient(call)), names)
             if grads is not None:
                 per_call = [g + c for g, c in zip(grads, per_call, strict=True)]
             grads = per_call
@@ -106,15 +133,15 @@ class NormalizationColumnSums:
 
     def __init__(self, module, calls, names: list[str], n: int, traces: bool):
         self.module, self.calls, self.names, self.n, self.traces = module, calls, names, n, traces
-        self.inputs = [_inputs(module, call, n) for call in calls]
+        self.inputs = [_Normalized(module, call, n) for call in calls]
         self.pending: list[list[Tensor | None]] = []  # per column, per call: d batch first
         self.totals: list[Tensor | None] = [None] * len(names)
 
     def add(self, grad_outputs: list[list[Tensor | None]]) -> None:
         """One column: ``grad_outputs[c]`` replaces ``calls[c].grad_outputs``."""
         self.pending.append([
-            None if outs[0] is None else _features_last(self.module, call, self.n, outs[0])
-            for call, outs in zip(self.calls, grad_outputs, strict=True)
+            None if outs[0] is None else normalized.layout(outs[0])
+            for normalized, outs in zip(self.inputs, grad_outputs, strict=True)
         ])  # fmt: skip
         if len(self.pending) == NORMALIZATION_GROUP:
             self._reduce()
@@ -124,15 +151,13 @@ class NormalizationColumnSums:
         that did not reach a call adds a zero there)."""
         columns, self.pending = self.pending, []
         grads = None
-        for c, (x_hat, summed) in enumerate(self.inputs):
+        for c, normalized in enumerate(self.inputs):
             ds = [column[c] for column in columns]
             known = next((d for d in ds if d is not None), None)
             if known is None:
                 continue
             d = torch.stack([torch.zeros_like(known) if g is None else g for g in ds])
-            axes = tuple(a + 1 for a in summed)  # (after the column axis)
-            per_call = [d * x_hat if name == "weight" else d for name in self.names]
-            per_call = [g.sum(axes) if axes else g for g in per_call]  # [K, N, *features]
+            per_call = normalized.sums(d, self.names, lead=1)  # [K, N, *features]
             grads = per_call if grads is None else [g + p for g, p in zip(grads, per_call)]
         for k, g in enumerate(grads or ()):
             s = g.square_().sum() if self.traces else g.square_().sum((0, 1))
