@@ -74,6 +74,7 @@ from torch.nn import functional as F
 from avionics.persample.request import OuterProducts
 from avionics.persample.rules.conv import sample_group_gradients
 from avionics.quantities.binning import Tally1d
+from benchmarks.recurrent_floor import recurrent_forward
 from benchmarks.tools import Plain
 
 # the most per-sample gradient values a multi-use parameter materialises at once
@@ -134,7 +135,7 @@ class Capture:
             if p.requires_grad and id(p) not in covered:
                 raise ValueError(
                     f"The floor has no kernel for parameter {name!r} (shape {tuple(p.shape)}): "
-                    f"only {', '.join(t.__name__ for t in LAYERS)} layers; freeze it or add one."
+                    f"only {', '.join(t.__name__ for t in COVERED)} layers; freeze it or add one."
                 )
         for name, m in model.named_modules():
             if isinstance(m, nn.Conv2d) and (
@@ -151,6 +152,8 @@ class Capture:
                 module.register_forward_hook(self._record)
             elif isinstance(module, nn.MultiheadAttention):
                 module.forward = _self_attention(self, module)
+            elif isinstance(module, nn.RNNBase):
+                module.forward = recurrent_forward(self, module)
         if roots[0] is not None:
             child, uses = roots
             params = {name: getattr(model, name) for name in uses}
@@ -163,9 +166,14 @@ class Capture:
 
     def record(self, module, x: Tensor, output: Tensor, params=None) -> None:
         """A call of ``module`` with input x; d is set to the gradient of ``output``."""
+        call = self.call(module, x, params)
+        output.register_hook(lambda d: setattr(call, "d", d.detach()))
+
+    def call(self, module, x: Tensor, params=None) -> Call:
+        """A new call of ``module`` with input x, its d set by the caller."""
         call = Call(module, x.detach(), params=params)
         self.calls.append(call)
-        output.register_hook(lambda d: setattr(call, "d", d.detach()))
+        return call
 
 
 def _self_attention(capture: Capture, attention: nn.MultiheadAttention):
@@ -459,6 +467,14 @@ class _InProjectionUse(_LinearUse):
         return tuple(self.module.in_proj_weight.shape)
 
 
+class _RecurrentUse(_LinearUse):
+    """A layer of nn.RNN / LSTM / GRU (:mod:`benchmarks.recurrent_floor`): W_ih (or W_hh) a
+    Linear over the T steps of a sample, x the layer's input (h_{t-1}), d its gate gradients."""
+
+    def _widths(self):
+        return tuple(self.call.params["weight"].shape)
+
+
 class _RootUse(_Use):
     """A root parameter (``role``: its name) added to the input h of a child module (see
     :data:`ROOT_USES`): b_n read from the gradient of h, d_n, by the model's own map."""
@@ -485,11 +501,11 @@ ROOT_USES = {
 }
 USES = {nn.Linear: _LinearUse, nn.Conv2d: _ConvUse, nn.Embedding: _EmbeddingUse,
         nn.LayerNorm: _LayerNormUse, nn.BatchNorm2d: _BatchNormUse,
-        nn.MultiheadAttention: _InProjectionUse}  # fmt: skip
+        nn.MultiheadAttention: _InProjectionUse, nn.RNNBase: _RecurrentUse}  # fmt: skip
 if Conv1D is not None:
     USES[Conv1D] = _Conv1DUse
 # the modules whose parameters the floor has kernels for
-COVERED = LAYERS + (nn.MultiheadAttention,)
+COVERED = LAYERS + (nn.MultiheadAttention, nn.RNNBase)
 
 
 def _position_tables_per_sample(calls: list[Call]) -> list[Call]:

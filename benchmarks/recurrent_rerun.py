@@ -1,11 +1,11 @@
-"""The recurrent rules before and after their re-run by PyTorch's kernel and their grouped GGN
-columns, side by side in one process (issue 25, helper rnn), CPU time.
+"""The recurrent rules with a tree's re-run of the recurrence against this tree's, side by side
+in one process (issue 25, helper rnn), CPU time.
 
 For the LSTM LM and the packed GRU of ``tests/real_models.py`` (float32, the sizes of
 ``benchmarks/real_models``), one torch thread, each round runs a plain SGD step and, for each
 of economy and business, a step with the recurrent rule of a given tree (``--before``: the
-path of a checkout's ``avionics/persample/rules/recurrent.py``, whose ``RecurrentRule`` and
-default one-column GGN path are patched in for its steps) and a step with this tree's; each
+path of a checkout's ``avionics/persample/rules/recurrent.py``, whose ``ReRun`` is patched in
+for its steps, by the rule and by the GGN columns) and a step with this tree's; each
 timed by ``time.process_time()``; the figures are the medians over the median plain step.
 
 Run: ``python -m benchmarks.recurrent_rerun --before OLD/avionics/persample/rules/recurrent.py``.
@@ -23,7 +23,6 @@ import warnings
 import torch
 
 from avionics.persample.rules import recurrent
-from avionics.persample.rules.base import Rule
 from benchmarks.real_models import SIZES, TITLES, Preset
 from benchmarks.tools import Plain
 from tests.real_models import ALL_MODELS as MODELS
@@ -37,36 +36,18 @@ def _load(path: str):
 
 
 class _Patched:
-    """While entered: ``RecurrentRule`` builds its factors as ``before`` does, and its GGN
-    columns take the default one-column path (the rule built on each column)."""
+    """While entered: the recurrent rule and its GGN columns re-run the recurrence by
+    ``before``'s :class:`ReRun` (same interface: ``ReRun(module, call, n, copies)``,
+    ``factors(columns)``)."""
 
     def __init__(self, before):
-        def init(rule, module, calls, names, n, output_gradient_factor):
-            super(recurrent.RecurrentRule, rule).__init__(
-                module, calls, names, n, output_gradient_factor
-            )
-            factors: dict[str, list] = {}
-            with torch.enable_grad():
-                for call in calls:
-                    for name, pair in before._call_factors(module, call, n).items():
-                        factors.setdefault(name, []).append(pair)
-            rule.factors = {
-                name: (
-                    torch.cat([x for x, _ in pairs], 2),
-                    torch.cat([d for _, d in pairs], 2) * output_gradient_factor,
-                )
-                for name, pairs in factors.items()
-            }
-
-        self.init = init
-        self.saved = (recurrent.RecurrentRule.__init__, recurrent.RecurrentRule.column_sums)
+        self.before, self.saved = before.ReRun, recurrent.ReRun
 
     def __enter__(self):
-        recurrent.RecurrentRule.__init__ = self.init
-        recurrent.RecurrentRule.column_sums = classmethod(Rule.column_sums.__func__)
+        recurrent.ReRun = self.before
 
     def __exit__(self, *exc):
-        recurrent.RecurrentRule.__init__, recurrent.RecurrentRule.column_sums = self.saved
+        recurrent.ReRun = self.saved
 
 
 def _cpu_seconds(run) -> float:

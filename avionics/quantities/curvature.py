@@ -90,12 +90,14 @@ AUTO_MAX_COLUMNS = 64
 def output_entries(roots: list, n: int) -> int | None:
     """M, the entries of one sample's output, from the captured calls of the model itself in
     the step's forward (``roots``); None when the GGN diagonals cannot run (not one forward
-    with one output, batch first)."""
+    with one output, N entries on one of its axes)."""
     if len(roots) != 1 or len(roots[0].nodes) != 1:
         return None
     root = roots[0]
     shape = root.outputs[root.node_outputs[0]].shape
-    if shape[root.batch_axis] != n:
+    # (on any axis: the root call's batch_axis is its input's; the GGN diagonal finds the
+    # output's, avionics.curvature.step.ggn_diagonal._output_batch_axis)
+    if n not in shape:
         return None
     return shape.numel() // n
 
@@ -108,12 +110,12 @@ def step_output_entries(data: StepData) -> int | None:
 
 def ggn_obstacle(roots: list, n: int | None, losses: Tensor | None) -> str | None:
     """Why the GGN diagonals cannot run on this step's forward, or None when they can: they
-    need one output tensor of the model with the batch first, and a loss Hessian w.r.t. it
+    need one output tensor of the model with the batch on one axis, and a loss Hessian w.r.t. it
     that is recognised (:func:`~avionics.curvature.step.loss_root.recognised_loss`, checked
     here only where the dense one is out of reach: more than MAX_OUTPUT_SIZE entries)."""
     m = output_entries(roots, n)
     if m is None:
-        return "the model's forward gives not one output tensor with the batch first"
+        return "the model's forward gives not one output tensor with the batch on one axis"
     if m > MAX_OUTPUT_SIZE and (losses is None or recognised_loss(losses, roots[0]) is None):
         return (
             "the loss is not recognised as softmax cross-entropy or squared error (per "

@@ -119,3 +119,66 @@ def test_copies_of_the_batch_give_each_column_its_own_gradients():
         for name, (x_j, d_j) in alone.items():
             torch.testing.assert_close(together[name][0], x_j, rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(together[name][1][j], d_j[0], rtol=1e-12, atol=1e-14)
+
+
+class _TimeMajorLM(nn.Module):
+    """Time-major token ids [T, N] to logits [T, N, V] through a batch_first=False LSTM."""
+
+    def __init__(self, vocab=7, width=4):
+        super().__init__()
+        self.embed, self.rnn = nn.Embedding(vocab, width), nn.LSTM(width, width)
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.embed(tokens))[0])
+
+
+def _time_major_lm():
+    torch.manual_seed(3)
+    X, y = torch.randint(0, 7, (5, 3)), torch.randint(0, 7, (3, 5))
+
+    def loss_fn(out, labels):  # (out [T, N, V], labels [N, T])
+        return nn.functional.cross_entropy(out.permute(1, 2, 0), labels, reduction="none").sum(1)
+
+    return _TimeMajorLM().double(), X, y, loss_fn
+
+
+TIME_MAJOR = {
+    # (a batch-first output [N, 3] with N == 3: two axes of N entries)
+    "lstm, 3 samples": lambda: real_models.recurrent("lstm", batch_first=False, n=3),
+    "packed gru, 3 samples": lambda: real_models.recurrent("gru", True, False, n=3),
+    # (refused before: the root call's batch axis, 1, is its input's)
+    "gru, 4 samples": lambda: real_models.recurrent("gru", batch_first=False, n=4),
+    "packed lstm, 4 samples": lambda: real_models.recurrent("lstm", True, False, n=4),
+    "time-major output": _time_major_lm,
+}
+
+
+@pytest.mark.parametrize("case", list(TIME_MAJOR))
+def test_the_ggn_diagonal_of_time_major_recurrent_models(case, monkeypatch):
+    """Token ids [T, N] give the model's call batch axis 1 (its input's): the GGN diagonal
+    takes its output's own batch axis, the one axis of N entries or, where several have N,
+    the one sample 0's loss alone reads (it summed over the classes as samples when N was
+    the number of classes, and refused N != classes)."""
+    from avionics import Cockpit
+    from avionics.curvature.step import ggn_diagonal
+
+    model, X, y, loss_fn = TIME_MAJOR[case]()
+    seen, diagonal = [], ggn_diagonal.ggn_diagonal
+
+    def spy(*args, **kwargs):
+        found = diagonal(*args, **kwargs)
+        seen.append([d.clone() for d in found])
+        return found
+
+    monkeypatch.setattr("avionics.quantities.curvature.ggn_diagonal", spy)
+    cockpit = Cockpit(model, quantities=[TICDiag(curvature="diag_ggn_exact")])
+    losses = loss_fn(model(X), y)
+    with cockpit(0, {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(y)}):
+        losses.mean().backward(create_graph=cockpit.create_graph(0))
+    expected = torch.diagonal(dense_ggn(model, X, y, loss_fn, axis=1))
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    sizes = [p.numel() for p in _params(model)]
+    (found,) = seen
+    for name, e, f in zip(names, expected.split(sizes), found, strict=True):
+        torch.testing.assert_close(f.reshape(-1), e, rtol=1e-9, atol=1e-12, msg=name)

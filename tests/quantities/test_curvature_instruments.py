@@ -54,16 +54,18 @@ def dense_hessian(model, X, y, loss_fn):
         return torch.stack(rows)
 
 
-def dense_ggn(model, X, y, loss_fn):
-    """(1/N) sum_n J_n^T H_n J_n, per sample from its own forward."""
+def dense_ggn(model, X, y, loss_fn, axis=0):
+    """(1/N) sum_n J_n^T H_n J_n, per sample from its own forward (sample n of X on ``axis``:
+    1 for time-major token ids [T, N])."""
     flat = torch.cat([p.detach().reshape(-1) for p in _params(model)]).requires_grad_(True)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     shapes = [p.shape for p in _params(model)]
     sizes = [s.numel() for s in shapes]
     total = 0
-    for n in range(len(X)):
+    for n in range(X.shape[axis]):
         tensors = [t.reshape(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
-        out = functional_call(model, dict(zip(names, tensors, strict=True)), (X[n : n + 1],))
+        sample = X.narrow(axis, n, 1)
+        out = functional_call(model, dict(zip(names, tensors, strict=True)), (sample,))
         o = out.reshape(-1)
         J = torch.stack(
             [torch.autograd.grad(o[i], flat, retain_graph=True)[0] for i in range(len(o))]
@@ -73,7 +75,7 @@ def dense_ggn(model, X, y, loss_fn):
             o.detach(),
         )
         total = total + J.T @ H @ J
-    return total / len(X)
+    return total / X.shape[axis]
 
 
 def _run(model, X, y, loss_fn, quantities, steps=1, lr=0.0, reduction="mean", before_update=None):

@@ -34,6 +34,8 @@ column. The exact diagonal needs M <= ``MAX_OUTPUT_SIZE`` output entries per sam
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor, nn
 
@@ -91,7 +93,7 @@ def ggn_diagonal(
     (data parallelism); the Monte-Carlo draws z are then the global batch's, these rows of
     them, so that the processes' diagonals, N_r / N-weighted, add to one process's.
     """
-    root = _root_call(model, calls, len(individual_losses))
+    root = _root_call(model, calls, individual_losses)
     n = len(individual_losses)
     out_edge = output_edge(root.nodes[0])
     out_shape = root.outputs[root.node_outputs[0]].shape
@@ -183,21 +185,40 @@ def _edges(sums) -> tuple:
     return tuple(getattr(sums, "edges", ()))
 
 
-def _root_call(model: nn.Module, calls: dict, n: int):
+def _root_call(model: nn.Module, calls: dict, individual_losses: Tensor):
+    """The model's call, its ``batch_axis`` that of its output (:func:`_output_batch_axis`)."""
     roots = calls.get(model, [])
     if len(roots) != 1 or len(roots[0].nodes) != 1:
         raise RuntimeError(
             "The GGN diagonal needs exactly one forward of the model with one tensor output per "
             f"step; this step has {len(roots)} calls of the model. Use curvature='diag_h'."
         )
-    root = roots[0]
-    shape = root.outputs[root.node_outputs[0]].shape
-    if shape[root.batch_axis] != n:
-        raise ValueError(
-            f"The GGN diagonal needs the batch ({n} samples) on axis {root.batch_axis} of the "
-            f"model output; it has shape {tuple(shape)}."
-        )
+    root = copy.copy(roots[0])
+    root.batch_axis = _output_batch_axis(root, individual_losses)
     return root
+
+
+def _output_batch_axis(root, individual_losses: Tensor) -> int:
+    """The batch axis of the model output: its one axis of N entries, or where several have
+    N, the one along which sample 0's loss reads its own entries only (one product through
+    the loss: d l_0 / d output is zero off index 0 there). Not the root call's own
+    ``batch_axis``, which is its input's: time-major token ids [T, N] give axis 1 to a model
+    whose output is [N, C] (its GGN diagonal was refused, or with C == N summed over the
+    classes as samples)."""
+    n, shape = len(individual_losses), root.outputs[root.node_outputs[0]].shape
+    axes = [a for a, size in enumerate(shape) if size == n]
+    if len(axes) == 1:
+        return axes[0]
+    if not axes:
+        raise ValueError(
+            f"The GGN diagonal needs the batch ({n} samples) on an axis of the model output; "
+            f"it has shape {tuple(shape)}."
+        )
+    (first,) = torch.autograd.grad(
+        individual_losses[0], [output_edge(root.nodes[0])], retain_graph=True
+    )
+    own = [a for a in axes if not first.narrow(a, 1, n - 1).any()]
+    return own[0] if len(own) == 1 else (root.batch_axis if root.batch_axis in axes else axes[0])
 
 
 class _ColumnSums:

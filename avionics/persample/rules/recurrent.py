@@ -14,8 +14,9 @@ the bilinear forms of :mod:`avionics.persample.rules.bilinear` (T shared positio
 gradients da, dc are one vector-Jacobian product of the recurrence re-run on the captured
 input, initial state and output gradients, batched over the samples (no per-sample loop)
 (:class:`ReRun`): an LSTM on the CPU by PyTorch's fused kernel fed a through identity input
-weights, else a loop of torch ops over the time steps. For a PackedSequence each sample's
-steps beyond its length leave its state unchanged, which is what the packed kernel computes.
+weights and autograd, else a loop of torch ops over the time steps and the backward of its
+linearised steps (:class:`_Linearised`). For a PackedSequence each sample's steps beyond its
+length leave its state unchanged, which is what the packed kernel computes.
 The GGN diagonal's columns go back through one re-run a group at a time
 (:class:`RecurrentColumnSums`).
 """
@@ -28,7 +29,12 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from avionics.persample.precision import computing
-from avionics.persample.rules.base import GroupedColumnSums, Rule, output_gradient
+from avionics.persample.rules.base import (
+    GroupedColumnSums,
+    Rule,
+    concatenate,
+    output_gradient,
+)
 from avionics.persample.rules.bilinear import Bilinear, FactoredWeights
 
 # The recurrent modules whose own forward the rule re-runs (subclasses may change it).
@@ -45,17 +51,16 @@ def reproducible(module: nn.RNNBase) -> bool:
 class RecurrentRule(FactoredWeights, Rule):
     def __init__(self, module: nn.RNNBase, calls, names, n, output_gradient_factor):
         super().__init__(module, calls, names, n, output_gradient_factor)
-        # factors[name]: (x [N, 1, T, I], delta [N, 1, T, O]) over the calls, T concatenated
+        # factors[name]: (x [N, 1, T, I], delta [N, 1, T, O]) over the calls, T concatenated;
+        # delta scaled through the output gradients (it is linear in them, and they are fewer)
         factors: dict[str, list[tuple[Tensor, Tensor]]] = {}
         for call in calls:
             rerun = ReRun(module, call, n)
-            for name, (x, delta) in rerun.factors([output_gradients(module, call)]).items():
+            grads = [g * output_gradient_factor for g in output_gradients(module, call)]
+            for name, (x, delta) in rerun.factors([grads]).items():
                 factors.setdefault(name, []).append((_per_sample(x), _per_sample(delta[0])))
         self.factors = {
-            name: (
-                torch.cat([x for x, _ in pairs], 2),
-                torch.cat([d for _, d in pairs], 2) * output_gradient_factor,
-            )
+            name: (concatenate([x for x, _ in pairs], 2), concatenate([d for _, d in pairs], 2))
             for name, pairs in factors.items()
         }
 
@@ -79,16 +84,21 @@ class RecurrentRule(FactoredWeights, Rule):
 
 
 class ReRun:
-    """One call's recurrence re-run on its captured input and initial state, its graph kept:
-    each layer and direction by PyTorch's own kernel (``torch._VF``: the fused LSTM kernel on
-    the CPU) fed a = W_ih x + b_ih through identity input weights, so that the gradient at
-    its input is da; the gradients of K columns at once by ``copies = K`` copies of the batch
-    (sample n of copy j at n + j N).
+    """One call's recurrence re-run on its captured input and initial state, batched over the
+    samples; the gradients of K columns at once by ``copies = K`` copies of the batch (sample
+    n of copy j at n + j N). Two ways, by :func:`by_kernel`:
+
+    * PyTorch's kernel (``torch._VF``: the fused LSTM kernel on the CPU, whose backward is one
+      node), fed a = W_ih x + b_ih through identity input weights, its graph kept, so that
+      the gradient at its input is da (one ``autograd.grad``);
+    * else a loop of torch ops over the steps without a graph, each layer and direction's
+      steps linearised (:class:`_Linearised`), whose backward is one batched product per step
+      (autograd's backward of the loop took a dozen nodes per step).
 
     For the W_hh factors, h_{t-1} of every step is read off the layer's output (h0 where the
     step is a sample's first in its direction), and dc = da for an LSTM and an RNN (their
     gates read a_t + c_t); a GRU's candidate gate reads r_t * c_t, so there
-    dc = [da_r, da_z, r_t * da_n] with r_t = sigmoid(a_r + c_r) formed for all steps at once.
+    dc = [da_r, da_z, r_t * da_n] with r_t = sigmoid(a_r + c_r) of its linearisation.
     """
 
     def __init__(self, module: nn.RNNBase, call, n: int, copies: int = 1):
@@ -108,43 +118,57 @@ class ReRun:
         if lengths is not None:
             valid = torch.arange(self.steps, device=x.device)[:, None] < lengths.to(x.device)
         self.valid = valid
-        layer_of = self._kernel if by_kernel(module, x) else self._stepped
-        self.taps: list[Tensor] = []  # a of every layer and direction, [T, N, G H]
-        # weight -> (its input [T, N, I], the index of its tap, the layer's GRU r_t or None)
+        kernel = by_kernel(module, x)
+        layer_of = self._kernel if kernel else self._stepped
+        # the kernel's re-run: its graph, from the outputs back to a of every layer and
+        # direction (the taps, [T, N, G H]); the stepped one's: each layer and direction's
+        # steps linearised, and W_ih
+        self.results: list[Tensor] = []
+        self.taps: list[Tensor] = []
+        self.linearised: list[_Linearised] = []
+        self.input_weights: list[Tensor] = []
+        # weight -> (its input [T, N, I], the index of its layer and direction, the layer's
+        # GRU r_t or None)
         self.pairs: dict[str, tuple[Tensor, int, Tensor | None]] = {}
-        finals, final_cells, layer_input = [], [], x
-        with torch.enable_grad():
+        finals, final_cells, layer_input, hidden = [], [], x, module.hidden_size
+        with torch.enable_grad() if kernel else torch.no_grad():
             for layer in range(module.num_layers):
                 ks = [layer * directions + d for d in range(directions)]
                 weights = [_weights(module, _suffix(layer, d)) for d in range(directions)]
-                a = [_tap(F.linear(layer_input, w_ih, b_ih)) for w_ih, _, b_ih, _ in weights]
+                a = [F.linear(layer_input, w_ih, b_ih) for w_ih, _, b_ih, _ in weights]
+                a = [_tap(t) for t in a] if kernel else a
                 state = (h0[ks], None if c0 is None else c0[ks])
                 out, h_n, c_n = layer_of(a, [(w, b) for _, w, _, b in weights], state)
-                for d, k in enumerate(ks):
-                    suffix, (_, w_hh, _, b_hh) = _suffix(layer, d), weights[d]
-                    hidden = module.hidden_size
-                    previous = _previous(out[..., d * hidden : (d + 1) * hidden], h0[k], d, valid)
-                    r = None
-                    if module.mode == "GRU":
-                        c_r = F.linear(
-                            previous, w_hh[:hidden], None if b_hh is None else b_hh[:hidden]
-                        )
-                        r = torch.sigmoid(a[d].detach()[..., :hidden] + c_r)
-                    self.pairs[f"weight_ih{suffix}"] = (layer_input.detach(), len(self.taps), None)
-                    self.pairs[f"weight_hh{suffix}"] = (previous.detach(), len(self.taps), r)
-                    self.taps.append(a[d])
                 finals.append(h_n)
                 final_cells.append(c_n)
+                for d, k in enumerate(ks):
+                    suffix, (w_ih, w_hh, _, b_hh) = _suffix(layer, d), weights[d]
+                    previous = _previous(out[..., d * hidden : (d + 1) * hidden], h0[k], d, valid)
+                    previous, r = previous.detach(), None
+                    if kernel:
+                        self.taps.append(a[d])
+                    else:
+                        cell = None if c0 is None else c0[k]
+                        steps = _Linearised(module.mode, a[d], previous, (w_hh, b_hh), cell,
+                                            valid, d)  # fmt: skip
+                        self.linearised.append(steps)
+                        self.input_weights.append(w_ih)
+                        r = steps.r
+                    index = len(self.taps) + len(self.linearised) - 1
+                    self.pairs[f"weight_ih{suffix}"] = (layer_input.detach(), index, None)
+                    self.pairs[f"weight_hh{suffix}"] = (previous, index, r)
                 layer_input = out
-            self.results = [layer_input, torch.cat(finals)]
-            if module.mode == "LSTM":
-                self.results.append(torch.cat(final_cells))
+            if kernel:
+                self.results = [layer_input, torch.cat(finals)]
+                if module.mode == "LSTM":
+                    self.results.append(torch.cat(final_cells))
 
     def _stepped(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
-        """One layer step by step from torch ops (each direction), as :meth:`_kernel`."""
+        """One layer step by step from torch ops (each direction): its output [T, N, D H]
+        (its final states are not needed: :class:`_Linearised` takes the gradients)."""
         mode, (h0, c0) = self.module.mode, state
         lstm = mode == "LSTM"
-        outs, finals, cells = [], [], []
+        outs = []
         for d, (a_d, (w_hh, b_hh)) in enumerate(zip(a, recurrent, strict=True)):
             h, cell, out = h0[d], c0[d] if lstm else None, [None] * self.steps
             for t in range(self.steps - 1, -1, -1) if d else range(self.steps):
@@ -160,10 +184,7 @@ class ReRun:
                 h, cell = new, new_cell
                 out[t] = h
             outs.append(torch.stack(out))
-            finals.append(h)
-            cells.append(cell)
-        c_n = torch.stack(cells) if lstm else None
-        return torch.cat(outs, -1), torch.stack(finals), c_n
+        return torch.cat(outs, -1), None, None
 
     def _kernel(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
         """One layer (both directions) by PyTorch's kernel on input cat(a): (output
@@ -207,12 +228,15 @@ class ReRun:
         if k != copies:
             raise ValueError(f"a re-run of {copies} copies takes {copies} columns, not {k}")
         grads = [torch.cat(g, 1) for g in zip(*columns, strict=True)] if k > 1 else columns[0]
-        # (the graph kept: the column sums take every group of K columns through one re-run)
-        found = torch.autograd.grad(
-            self.results, self.taps, grads, retain_graph=True, allow_unused=True
-        )
-        by_tap = [torch.zeros_like(t) if g is None else g for t, g in zip(self.taps, found)]
-        n = self.taps[0].shape[1] // k
+        if self.linearised:
+            by_tap = self._backward(grads)
+        else:
+            # (the graph kept: the column sums take every group of K columns through one re-run)
+            found = torch.autograd.grad(
+                self.results, self.taps, grads, retain_graph=True, allow_unused=True
+            )
+            by_tap = [torch.zeros_like(t) if g is None else g for t, g in zip(self.taps, found)]
+        n = by_tap[0].shape[1] // k
         factors = {}
         for name, (inp, tap, r) in self.pairs.items():
             delta = by_tap[tap]
@@ -222,12 +246,33 @@ class ReRun:
             factors[name] = (inp[:, :n], delta.unflatten(1, (k, n)).movedim(1, 0))
         return factors
 
+    def _backward(self, grads: list[Tensor]) -> list[Tensor]:
+        """da of every tap from the gradients of (output, h_n[, c_n]) by the linearised steps,
+        the top layer first: a layer's output gradient is the one given (the top layer) or
+        sum_d da_d W_ih,d of the layer above, each direction's final states take theirs."""
+        directions, hidden = 2 if self.module.bidirectional else 1, self.module.hidden_size
+        d_out, d_h = grads[0], grads[1]
+        d_c = grads[2] if len(grads) > 2 else [None] * len(d_h)
+        by_tap: list[Tensor] = [None] * len(self.linearised)
+        for layer in range(self.module.num_layers - 1, -1, -1):
+            d_input = None
+            for d in range(directions):
+                k = layer * directions + d
+                block = d_out[..., d * hidden : (d + 1) * hidden]
+                by_tap[k] = self.linearised[k].backward(block, d_h[k], d_c[k])
+                if layer:
+                    part = by_tap[k] @ self.input_weights[k]
+                    d_input = part if d_input is None else d_input + part
+            d_out = d_input
+        return by_tap
+
 
 def by_kernel(module: nn.RNNBase, x: Tensor) -> bool:
-    """Whether the re-run takes PyTorch's kernel (else a loop of torch ops over the steps):
-    for an LSTM on the CPU, where the kernel is fused. A GRU's or an RNN's CPU kernel is no
-    faster than the loop (the packed GRU's rule 1.8 ms by the loop, 2.1 ms by the kernel,
-    measured); on a GPU cuDNN wants its weights in one flat buffer, and was not measured."""
+    """Whether the re-run takes PyTorch's kernel and autograd (else the loop of torch ops and
+    its linearised backward): for an LSTM on the CPU, where the kernel is fused (forward and
+    backward 1.0-1.5 ms on the LSTM LM, the linearised loop 1.6 ms, measured). A GRU's or an
+    RNN's CPU kernel is autograd's loop of torch ops; on a GPU cuDNN wants its weights in one
+    flat buffer, and was not measured."""
     return module.mode == "LSTM" and x.device.type == "cpu"
 
 
@@ -408,3 +453,111 @@ def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
         new_cell = torch.addcmul(torch.sigmoid(f) * cell, torch.sigmoid(i), torch.tanh(g))
         return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
     return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
+
+
+class _Linearised:
+    """One layer and direction's steps as the linear map of its backward. The gradient state
+    s (dh, and for an LSTM dh and the cell's dc) goes back one step by one product with a
+    per-sample matrix M_t, and da_t is read off the state s'_t after step t (s plus the
+    output's gradient dout_t):
+
+        s'_t = s_t + [dout_t, 0],    s_{t-1} = s'_t M_t,    da_t = s'_t R_t (a few products),
+
+    M_t and R_t the local derivatives of the gate equations (torch.nn docs) formed for all
+    steps at once from a_t and the states h_{t-1} the forward passed through, with
+    c_t = W_hh h_{t-1} + b_hh and W_k the rows of W_hh of gate k:
+
+    * RNN, h' = act(a + c): da = dh' E, E = 1 - h'^2 (tanh) or [h' > 0] (relu);
+      M = diag(E) W_hh.
+    * GRU, h' = (1 - z) n + z h, n = tanh(a_n + r c_n), r and z sigmoids of a + c:
+      A = (1 - z)(1 - n^2), da = dh' [A c_n r (1 - r), (h - n) z (1 - z), A] = dh' E per block,
+      dc = dh' D with D = [E_r, E_z, r A]; M = diag(z) + sum_k diag(D_k) W_k.
+    * LSTM, c' = f c + i g, h' = o tanh(c') (the cells by a loop of one product per step
+      from c0): dc_tot = dc + dh' P, P = o (1 - tanh^2 c'); da = [dc_tot K_i, dc_tot K_f,
+      dc_tot K_g, dh' K_o], K = [g i (1 - i), c f (1 - f), i (1 - g^2), tanh(c') o (1 - o)];
+      dc_{t-1} = dc_tot f and dh_{t-1} = da W_hh, so with Q = sum_{k in i,f,g} diag(K_k) W_k
+      M = [[diag(P) Q + diag(K_o) W_o, diag(P f)], [Q, diag(f)]] (rows dh', dc; columns
+      dh_{t-1}, dc_{t-1}).
+
+    A step beyond a packed sample's length leaves its state as it was: there M = I and
+    da = 0 (E, D, K, P = 0, z, f = 1). ``r``: a GRU's r_t [T, N, H] (else None)."""
+
+    def __init__(self, mode: str, a: Tensor, previous: Tensor, recurrent, c0, valid, direction):
+        self.mode, w_hh = mode, recurrent[0]
+        steps, hidden = a.shape[0], previous.shape[-1]
+        self.order = range(steps - 1, -1, -1) if direction else range(steps)
+        # (0-dim tensors: an operation with a Python number costs several times more here)
+        one, zero = a.new_ones(()), a.new_zeros(())
+        keep = None if valid is None else valid[..., None]
+
+        def masked(t: Tensor, outside: Tensor) -> Tensor:
+            if keep is None:
+                return t
+            return torch.where(keep[..., None] if t.dim() == 4 else keep, t, outside)
+
+        c = F.linear(previous, *recurrent)
+        blocks = w_hh.view(-1, hidden, hidden)  # W_k, [gates, H (gate), H (state)]
+        self.r = None
+        if mode == "LSTM":
+            i, f, g, o = (a + c).chunk(4, -1)
+            i, f, o, g = torch.sigmoid(i), torch.sigmoid(f), torch.sigmoid(o), torch.tanh(g)
+            f, ig = masked(f, one), masked(i * g, zero)  # (a held step: c' = c)
+            cells, cell = [None] * steps, c0
+            for t in self.order:
+                cells[t], cell = cell, torch.addcmul(ig[t], f[t], cell)
+            cell = torch.stack(cells)
+            squashed = torch.tanh(torch.addcmul(ig, f, cell))
+            k = torch.stack(
+                [g * i * (one - i), cell * f * (one - f), i * (one - g * g),
+                 squashed * o * (one - o)], -2,
+            )  # fmt: skip
+            self.k, self.p = masked(k, zero), masked(o * (one - squashed * squashed), zero)
+            q = torch.einsum("tnkh,khs->tnhs", self.k[..., :3, :], blocks[:3])
+            dh_dh = self.p[..., None] * q + self.k[..., 3, :, None] * blocks[3]
+            if keep is not None:  # (a held step passes dh through)
+                dh_dh = dh_dh + _held(keep, o)
+            top = torch.cat([dh_dh, torch.diag_embed(self.p * f)], -1)
+            self.m = torch.cat([top, torch.cat([q, torch.diag_embed(f)], -1)], -2)
+            return
+        if mode == "GRU":
+            self.r, z = torch.sigmoid(a[..., : 2 * hidden] + c[..., : 2 * hidden]).chunk(2, -1)
+            r, c_n = self.r, c[..., 2 * hidden :]
+            n = torch.tanh(torch.addcmul(a[..., 2 * hidden :], r, c_n))
+            gate_n = (one - z) * (one - n * n)
+            e_r = gate_n * c_n * r * (one - r)
+            e = masked(torch.stack([e_r, (previous - n) * z * (one - z), gate_n], -2), zero)
+            d = torch.stack([e[..., 0, :], e[..., 1, :], r * e[..., 2, :]], -2)
+            through = torch.diag_embed(masked(z, one))
+        else:
+            h = (torch.tanh if mode == "RNN_TANH" else torch.relu)(a + c)
+            e = masked(
+                (one - h * h if mode == "RNN_TANH" else (h > 0).to(h.dtype))[..., None, :], zero
+            )
+            d = e
+            through = None if keep is None else _held(keep, h)
+        m = torch.einsum("tnkh,khs->tnhs", d, blocks)
+        self.e, self.m = e, m if through is None else m + through
+
+    def backward(self, d_out: Tensor, d_h: Tensor, d_c: Tensor | None) -> Tensor:
+        """da [T, N, G H] from the gradients of the outputs [T, N, H] and of the final state
+        (and cell)."""
+        lstm = self.mode == "LSTM"
+        if lstm:
+            d_out = torch.cat([d_out, torch.zeros_like(d_out)], -1)
+            d_h = torch.cat([d_h, torch.zeros_like(d_h) if d_c is None else d_c], -1)
+        after: list[Tensor] = [None] * len(self.order)  # s'_t
+        state, m, d_out = d_h, self.m.unbind(0), d_out.unbind(0)
+        for t in reversed(self.order):
+            after[t] = state = state + d_out[t]
+            state = torch.bmm(state[:, None], m[t])[:, 0]
+        after = torch.stack(after)
+        if not lstm:
+            return (after[..., None, :] * self.e).flatten(-2)
+        dh, dc = after.chunk(2, -1)
+        total = torch.addcmul(dc, dh, self.p)
+        return (torch.stack([total, total, total, dh], -2) * self.k).flatten(-2)
+
+
+def _held(keep: Tensor, like: Tensor) -> Tensor:
+    """diag(1 at the steps beyond a packed sample's length) [T, N, H, H]: its state held."""
+    return torch.diag_embed((~keep).to(like.dtype).expand_as(like))
