@@ -50,8 +50,8 @@ class Routing:
         self._slow: set[nn.Module] = set()  # modules already reported by warn_slow_path
         # contributions() by the pattern of calls it was asked for
         self._contributions: dict[tuple, list] = {}
-        # (request, k) -> the request with its visitors called with index k (captured steps)
-        self.indexed_requests: dict[tuple, object] = {}
+        # request -> [the request with its visitors called with index k, for each k]
+        self.indexed_requests: dict[object, list] = {}
 
     def rerouted(self, k: int) -> bool:
         """Whether the gradient check moved parameter k to the root module's generic rule."""

@@ -158,6 +158,7 @@ class CapturedStep:
             linear_only = not (request.sq_norms or request.sum_sq or request.visitors)
             partial = Request(directions=request.directions)
             summed: dict[int, dict[str, Tensor]] = {}
+            indexed = self._indexed(request)
             for rule in rules.values():
                 # factored directions reach the bilinear rules only (dense for the others)
                 keep = _unchanged if isinstance(rule, BilinearRule) else dense
@@ -165,7 +166,7 @@ class CapturedStep:
                 for p in rule.params:  # (the parameters of rule.names)
                     k = self.engine.index[id(p)]
                     if len(contributions[k]) == 1:
-                        requests.append(request)
+                        requests.append(indexed[k])
                         dirs.append({d: keep(directions[d][k]) for d in request.directions})
                     elif linear_only:
                         requests.append(partial)
@@ -175,7 +176,7 @@ class CapturedStep:
                         dirs.append({})
                     indices.append(k)
                 with self.engine.naming(rule.module):
-                    results = rule.statistics(self._visitors_at(requests, indices), dirs)
+                    results = rule.statistics(requests, dirs)
                 for k, result in zip(indices, results, strict=True):
                     if len(contributions[k]) == 1:
                         per_param[k] = result
@@ -195,21 +196,19 @@ class CapturedStep:
                     per_param[k] = _zero_statistics(params[k], request, directions, self.n, k)
         return _collect(per_param, request)
 
-    def _visitors_at(self, requests: list[Request], indices: list[int]) -> list[Request]:
-        """The requests with their visitors called with the engine's parameter index, not
-        the rule's. The copies are kept on the engine (:attr:`Routing.indexed_requests
-        <avionics.persample.routing.Routing>`): a cockpit asks the same request every step."""
+    def _indexed(self, request: Request) -> list[Request]:
+        """``request`` for each parameter k, its visitors called with k (the engine's parameter
+        index, not the rule's). The copies are kept on the engine (:attr:`Routing.indexed_requests
+        <avionics.persample.routing.Routing>`), one list per request: a cockpit asks the same
+        request every step, and one look-up a step finds them."""
+        if not request.visitors:
+            return [request] * len(self.engine.params)
         kept = self.engine.indexed_requests
-        if len(kept) > 4 * len(self.engine.params):  # (requests that changed)
-            kept.clear()
-        out = []
-        for r, k in zip(requests, indices, strict=True):
-            if r.visitors:
-                if (r, k) not in kept:
-                    kept[r, k] = _reindexed(r, k)
-                r = kept[r, k]
-            out.append(r)
-        return out
+        if request not in kept:
+            if len(kept) >= 4:  # (requests that changed)
+                kept.clear()
+            kept[request] = [_reindexed(request, k) for k in range(len(self.engine.params))]
+        return kept[request]
 
     def totals(self):
         """Yield (k, sum_n g_n of one contribution of parameter k) for every contribution,

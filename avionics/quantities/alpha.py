@@ -497,7 +497,7 @@ def _changed(norms: Tensor, kept: Tensor) -> Tensor:
 
 def _norms(tensors: list[Tensor]) -> Tensor:
     """[||t_k||] in float64, on the tensors' device (no host transfer)."""
-    return torch.stack([norm.double() for norm in torch._foreach_norm(tensors)])
+    return torch.stack(torch._foreach_norm(tensors)).double()  # (widening exactly, at once)
 
 
 def _positive(value: Tensor) -> Tensor:

@@ -434,8 +434,9 @@ def mean_gradient_norms(data: StepData) -> Tensor:
 
 
 def per_parameter_rows(tensors: list[Tensor]) -> Tensor:
-    """[K, N] in float64 from K per-parameter statistics of shape [N] (one row each)."""
-    return torch.stack([t.double() for t in tensors])
+    """[K, N] in float64 from K per-parameter statistics of shape [N] (one row each): stacked
+    in their common dtype (exact: every float dtype widens exactly), then widened at once."""
+    return torch.stack(tensors).double()
 
 
 def per_parameter_sums(flat: Tensor, data: StepData) -> Tensor:

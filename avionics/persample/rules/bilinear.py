@@ -101,7 +101,7 @@ class Bilinear:
 
     def _unfolded_gradients(self, start: int, stop: int) -> Tensor:
         """G_n = sum_t delta_t x_t^T of samples start..stop-1 from x (unfolded by chunk)."""
-        g = torch.einsum("ngto,ngti->ngoi", self.delta[start:stop], self._inputs(start, stop))
+        g = torch.matmul(self.delta[start:stop].transpose(2, 3), self._inputs(start, stop))
         return g.reshape(stop - start, *self.weight_shape)
 
     def statistics(self, request: Request, directions: dict[str, Tensor], index: int) -> dict:
@@ -268,12 +268,10 @@ class Bilinear:
                     parts.append((torch.matmul(v, x) * delta).sum((1, 2, 3)))
                 else:
                     parts.append((torch.matmul(v.transpose(1, 2), delta) * x).sum((1, 2, 3)))
-            elif self.o <= self.i:
-                mapped = torch.einsum("ngti,goi->ngto", x, v)
-                parts.append((mapped * delta).sum((1, 2, 3)))
+            elif self.o <= self.i:  # (x [n, g, t, i] by V_g^T [g, i, o], batched over n, g)
+                parts.append((torch.matmul(x, v.transpose(1, 2)) * delta).sum((1, 2, 3)))
             else:
-                mapped = torch.einsum("ngto,goi->ngti", delta, v)
-                parts.append((mapped * x).sum((1, 2, 3)))
+                parts.append((torch.matmul(delta, v) * x).sum((1, 2, 3)))
         return torch.cat(parts)
 
     def total(self) -> Tensor:

@@ -271,14 +271,23 @@ def _per_sample(scale: float, views: tuple, shape, axis: int, n: int):
             g = view(g)
         return g
 
+    def every_sample(g: Tensor) -> Tensor:  # ``one`` of all samples, where there are no views
+        g = g.movedim(axis, 0)  # [n, *one sample's dh]
+        if len(shape) == g.dim():
+            return g.unsqueeze(axis + 1).sum_to_size(n, *shape)
+        padded = (1,) * (g.dim() - 1 - len(shape)) + shape
+        return g.sum_to_size(n, *padded).reshape(n, *shape)
+
+    reduce = every_sample if not views else vmap(one, in_dims=axis)
+
     def gradients(dh: Tensor) -> Tensor | None:
         if dh.dim() <= axis or dh.shape[axis] != n:
             return None
         if isinstance(scale, Tensor):  # a product's other operand, broadcast to dh
             if scale.dim() > dh.dim():
                 return None
-            return vmap(one, in_dims=axis)(dh.detach() * scale.detach().expand_as(dh))
-        return vmap(one, in_dims=axis)(dh.detach() * scale)
+            return reduce(dh.detach() * scale.detach().expand_as(dh))
+        return reduce(dh.detach() * scale)
 
     return gradients
 
