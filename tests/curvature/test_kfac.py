@@ -7,6 +7,7 @@ import torch
 from curvature_problems import block_diagonal_part, dense_empirical_fisher, dense_ggn
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from avionics.curvature import EKFACOperator, KFACOperator
 
@@ -85,6 +86,24 @@ def test_mc_converges_to_type2():
         for m in (1, 3000)
     ]
     assert errors[1] < 0.05 < errors[0]
+
+
+def test_the_determinism_check_refuses_shuffled_data_for_mc_only():
+    """The MC draws are seeded by the batch's index: with the batches in another order the
+    factors differ, and the check (which then compares the model outputs batch by batch)
+    refuses shuffled data; type-2 sums over the batches in any order and takes it."""
+    model, loss_fn = _mlp(), nn.CrossEntropyLoss()
+    data = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)]
+    in_order, reversed_order = (KFACOperator(model, loss_fn, None, batches)
+                                for batches in (data, data[::-1]))  # fmt: skip
+    assert not torch.allclose(dense(in_order), dense(reversed_order))
+    shuffled = DataLoader(TensorDataset(torch.randn(10, 4, dtype=torch.float64),
+                                        torch.randint(0, 3, (10,))), 4, shuffle=True)  # fmt: skip
+    torch.manual_seed(1)
+    for operator in (KFACOperator, EKFACOperator):
+        with pytest.raises(RuntimeError, match="model outputs differ between two passes"):
+            operator(model, loss_fn, None, shuffled)
+    KFACOperator(model, loss_fn, None, shuffled, fisher_type="type-2")
 
 
 def test_damped_inverse():
