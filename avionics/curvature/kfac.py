@@ -185,6 +185,7 @@ class KFACOperator(ModelDataOperator):
 
     FISHER_TYPES = FISHER_TYPES
     STATE_FACTORS = ("B", "A")
+    PRODUCTS_PASS_OVER_DATA = False  # they read the stored factors only
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
                  mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
@@ -581,7 +582,8 @@ class KFACOperator(ModelDataOperator):
 
         Everything in the state is checked here but the factors' finiteness, which is checked
         at their first use (a product, :meth:`inverse`, a scalar, :meth:`state_dict`,
-        ``blocks``): a factor with a NaN or inf entry raises a ValueError naming it there."""
+        ``blocks``), or here with ``check_deterministic``: a factor with a NaN or inf entry
+        raises a ValueError naming it."""
         configuration = state.get("configuration") if isinstance(state, dict) else None
         if not isinstance(configuration, dict):
             raise ValueError(
@@ -601,9 +603,11 @@ class KFACOperator(ModelDataOperator):
         # state): the check reads every entry, as long as loading all the rest
         factors = check_state(operator, state, finite=False)
         operator._load_factor_state(factors)
-        operator._unchecked = factors
-        if check_deterministic:
+        if check_deterministic:  # the whole check: the factors too, and the passes
+            check_finite(operator, factors, f"{cls.__name__}.from_state_dict")
             operator._check_deterministic()
+        else:
+            operator._unchecked = factors
         return operator
 
 
