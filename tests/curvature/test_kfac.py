@@ -153,6 +153,33 @@ def test_ekfac_is_the_exact_diagonal_in_the_kronecker_eigenbasis():
     torch.testing.assert_close(basis.T @ dense(ekfac) @ basis, torch.diag(exact_diagonal))
 
 
+def test_ekfac_is_the_exact_diagonal_in_the_kronecker_eigenbasis_of_convolutions():
+    """Convolutions with R rows a sample more or fewer than d_out and d_A (each of EKFAC's
+    rotations on the rows or on the per-sample gradients): in the basis Q_B (x) Q_A of each
+    block, S is the diagonal of the GGN's block (type-2 sums the per-sample gradients'
+    squares exactly)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(4, 3, 3), nn.Tanh(),  # R = 4: rotates g first, G by Q_A
+        nn.Conv1d(3, 2, 1), nn.Tanh(),  # R = 4 >= d_A = 3, d_out = 2: G by both
+        nn.Conv1d(2, 5, 2), nn.Tanh(),  # R = 3 < d_A = 4, d_out = 5: rows by both
+        nn.Flatten(), nn.Linear(15, 2),
+    ).double()  # fmt: skip
+    data = [(torch.randn(n, 4, 6, dtype=torch.float64), torch.randint(0, 2, (n,))) for n in (3, 2)]
+    loss_fn = nn.CrossEntropyLoss()
+    ekfac = EKFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    ggn = dense_ggn(model, loss_fn, data)
+    offsets = [0]
+    for p in model.parameters():
+        offsets.append(offsets[-1] + p.numel())
+    for block in ekfac.blocks:
+        (i,) = block.param_indices
+        Q_B, Q_A, _, _, S = ekfac._spectra[id(block)]
+        basis = torch.kron(Q_B, Q_A)
+        part = ggn[offsets[i] : offsets[i + 1], offsets[i] : offsets[i + 1]]
+        torch.testing.assert_close(S.flatten(), torch.diag(basis.T @ part @ basis))
+
+
 def test_ekfac_equals_kfac_where_kfac_is_exact_and_its_damped_inverse():
     model = _mlp()
     data, loss_fn = _single_sample("ce"), nn.CrossEntropyLoss()
