@@ -231,10 +231,8 @@ class KFACOperator(ModelDataOperator):
 
     @property
     def FIXED_DATA_ORDER(self) -> bool:  # noqa: N802 (the base class's attribute)
-        """Whether the factors need the batches in the same order on every pass: for
-        ``"mc"``, whose draws are seeded by the batch's index (the determinism check then
-        compares the model outputs batch by batch, two forward passes, as MCFisherOperator's
-        does); the other types sum over the batches in any order."""
+        """For ``"mc"``, whose draws are seeded by the batch's index (the determinism check
+        compares the outputs batch by batch); the other types sum the batches in any order."""
         return self._fisher_type == "mc"
 
     @property
@@ -671,8 +669,7 @@ def _output_gradients(
         raw = torch.autograd.grad(output, edges, vectors[0], allow_unused=True)
         raw = [None if g is None else g.unsqueeze(0) for g in raw]
     else:
-        raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True,
-                                  allow_unused=True)  # fmt: skip
+        raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True, allow_unused=True)
     gradients = iter(
         g if g is not None else _zeros(len(vectors), call) for g, call in zip(raw, flat)
     )
