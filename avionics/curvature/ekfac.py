@@ -92,7 +92,7 @@ class EKFACOperator(KFACOperator):
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
         def apply(block: KroneckerBlock, V: Tensor, result: Tensor) -> None:
             Q_B, Q_A, _, _, S = self._spectra[id(block)]  # Q_B [(Q_B^T V Q_A) * S] Q_A^T
-            rotated = left_product(Q_B.T, right_product(V, Q_A)) * S.unsqueeze(-1)
+            rotated = left_product(Q_B.T, right_product(V, Q_A)).mul_(S.unsqueeze(1))
             left_product(Q_B, right_product(rotated, Q_A.T), result)
 
         blockwise(self.blocks, M, out, apply)
