@@ -86,7 +86,7 @@ class EKFACOperator(KFACOperator):
                     rotated = Q_B.T @ rotated
                 if R >= d_out:
                     rotated = rotated @ Q_A
-                S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
+                S[id(block)].add_(rotated.square_().sum(dim=(0, 1)), alpha=weight)  # a new tensor
         return [S[id(block)] for block in self.blocks]
 
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:

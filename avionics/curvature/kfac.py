@@ -33,13 +33,12 @@ from avionics.curvature.kfac_inverse import (
     left_product,
     right_product,
 )
+from avionics.curvature.kfac_rows import CONVOLUTIONS, accumulate_gram, input_rows, output_rows
 from avionics.curvature.kfac_state import check_finite, check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
-from avionics.persample.rules.conv import unfold
 
 FISHER_TYPES = ("mc", "type-2", "empirical", "forward-only")
 KFAC_APPROXIMATIONS = ("expand", "reduce")
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SUPPORTED_LAYERS = (nn.Linear, *CONVOLUTIONS)
 
 
@@ -64,7 +63,7 @@ class KFACOperator(ModelDataOperator):
 
     Every block belongs to one ``nn.Linear`` or ``nn.Conv1d/2d/3d`` layer z = W a (+ b), a
     its input (for a convolution the unfolded patches, with any padding mode: see
-    :func:`~avionics.persample.rules.conv.unfold`), z its output. With the GGN
+    :func:`~avionics.curvature.kfac_rows.patch_rows`), z its output. With the GGN
     sum_b w_b J_b^T Lambda_b J_b (:class:`~avionics.curvature.ggn.GGNOperator`),
     Lambda_b = sum_k s_k s_k^T, and g_k = (dz/df)^T s_k the vectors backpropagated to z, the
     block of W is approximated by (Martens & Grosse, "Optimizing neural networks with
@@ -366,9 +365,9 @@ class KFACOperator(ModelDataOperator):
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
             layer_sums = sums[id(layer)]
-            _accumulate_gram(layer_sums, 0, a, 1.0)
+            accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
-                _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
+                accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
             rows[id(layer)] += samples if per_call else len(a)
         result = []
         for layer in layers:
@@ -418,10 +417,10 @@ class KFACOperator(ModelDataOperator):
                     gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
                 for layer in layers:
-                    a = [_input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
+                    a = [input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
                     g = None
                     if gradients is not None:
-                        g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
+                        g = _concatenated([output_rows(layer, t) for t in gradients[layer]], 2)
                     yield weight, layer, _concatenated(a, 1), g, [len(t[0]) for t in a]
 
     def _forward(
@@ -618,23 +617,6 @@ def _logdet(factor: Tensor) -> Tensor:
     return 2 * torch.diagonal(L).log().sum()
 
 
-def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
-    """sums[i] += weight rows^T rows (sums[i] made at the first batch). Of a wide Gram matrix
-    (d >= 512) only the blocks on and above the diagonal are multiplied, in 4 row blocks,
-    and mirrored: 5/8 of the products (for 128 rows of 784 on one thread, 1.2 ms for 1.6)."""
-    d = rows.shape[1]
-    first = sums[i] is None
-    if first:
-        sums[i] = rows.new_empty(d, d)
-    gram, parts = sums[i], 4 if d >= 512 else 1
-    edges = [d * k // parts for k in range(parts + 1)]
-    for start, end in zip(edges[:-1], edges[1:]):
-        # beta = 0 ignores the uninitialised entries of a new sum
-        gram[start:end, start:].addmm_(rows[:, start:end].T, rows[:, start:],
-                                       beta=0.0 if first else 1.0, alpha=weight)  # fmt: skip
-        gram[end:, start:end].copy_(gram[start:end, end:].T)
-
-
 def _curvlinops_calls(a: Tensor, g: Tensor | None, calls: list[int], kfac_approx: str):
     """Rows a [N, R, d_A] and g [K, N, R, d_out] of a layer called more than once, made
     so that the Gram matrices over samples are curvlinops' factors: the sum over the calls c
@@ -680,21 +662,3 @@ def _zeros(K: int, call: ModuleCall) -> Tensor:
     """The K gradients of a call output that does not reach the model output."""
     z = call.outputs[0]
     return torch.zeros(K, *z.shape, dtype=z.dtype, device=z.device)
-
-
-def _input_rows(layer: nn.Module, a: Tensor, joint_bias: bool) -> Tensor:
-    """The rows a_r of the layer input, [N, R, d_in] (+ a column of ones for a joint bias):
-    for a convolution its unfolded patches, one row per output position."""
-    if isinstance(layer, CONVOLUTIONS):
-        a = unfold(layer, a).transpose(1, 2)  # [N, positions, C_in prod(kernel)]
-    a = a.reshape(a.shape[0], -1, a.shape[-1])
-    if joint_bias:
-        a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
-    return a
-
-
-def _output_rows(layer: nn.Module, g: Tensor) -> Tensor:
-    """The rows g_{k,n,r} of the vectors backpropagated to the layer output, [K, N, R, d_out]."""
-    if isinstance(layer, CONVOLUTIONS):
-        g = g.flatten(3).transpose(-1, -2)  # [K, N, positions, C_out]
-    return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

@@ -10,6 +10,8 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from avionics.curvature import EKFACOperator, KFACOperator
+from avionics.curvature.kfac_rows import patch_rows
+from avionics.persample.rules.conv import unfold
 
 
 def dense(A) -> torch.Tensor:
@@ -305,3 +307,22 @@ def test_a_layer_called_twice_has_the_rows_of_both_calls(operator):
     K = operator(twice, loss_fn, None, data, fisher_type="type-2")
     expected = operator(once, loss_fn, None, data, fisher_type="type-2")
     torch.testing.assert_close(dense(K), dense(expected), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv1d(3, 2, 3, stride=2, padding=1),
+        nn.Conv2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+        nn.Conv2d(3, 2, 3, padding="same", padding_mode="reflect"),
+        nn.Conv2d(3, 2, 2, padding=1, padding_mode="circular"),
+        nn.Conv3d(2, 2, (2, 3, 1), stride=(1, 2, 1), padding=(0, 1, 1), dilation=(2, 1, 1)),
+    ],
+)
+def test_patch_rows_are_the_unfolded_input_transposed(conv):
+    """The rows of KFAC's input factor (windows of the channels-last input) are the unfolded
+    patches of the per-sample rules, one row per output position, exactly."""
+    x = torch.randn(2, conv.in_channels, *[7] * (conv.weight.dim() - 2), dtype=torch.float64)
+    expected = unfold(conv.double(), x).transpose(1, 2)
+    assert torch.equal(patch_rows(conv, x), expected)
+    assert patch_rows(conv, x).shape[1] == conv(x)[0, 0].numel()
