@@ -70,21 +70,29 @@ class EKFACOperator(KFACOperator):
             for block in (b for b in self.blocks if b.layer is layer):
                 Q_B, Q_A = bases[id(block)]
                 rows = a if block.has_weight else torch.ones_like(a[..., :1])
-                g_rotated, a_rotated = g @ Q_B, rows @ Q_A  # [K, N, R, d_out], [N, R, d_A]
-                if a.shape[1] == 1:
+                R, d_out, d_A = rows.shape[1], len(Q_B), len(Q_A)
+                if R == 1:
                     # one row per sample: G_{k,n} = g_{k,n} a_n^T is of rank one, so
                     # (Q_B^T G Q_A)_ij^2 = (Q_B^T g)_i^2 (Q_A^T a)_j^2 and S a matrix product
-                    squares = g_rotated[:, :, 0].square().sum(dim=0)  # [N, d_out]
-                    S[id(block)].addmm_(squares.T, a_rotated[:, 0].square(), alpha=weight)
+                    squares = (g[:, :, 0] @ Q_B).square().sum(dim=0)  # [N, d_out]
+                    S[id(block)].addmm_(squares.T, (rows[:, 0] @ Q_A).square(), alpha=weight)
                     continue
-                rotated = torch.einsum("knro,nri->knoi", g_rotated, a_rotated)
-                S[id(block)].add_(rotated.square().sum(dim=(0, 1)), alpha=weight)
+                # Q_B^T G_{k,n} Q_A with each rotation where it costs less: on the R rows of
+                # g (R d_out^2 a sample) or on G (d_out^2 d_A), of a (R d_A^2) or G (d_out d_A^2)
+                g_side = g @ Q_B if R < d_A else g  # [K, N, R, d_out]
+                a_side = rows @ Q_A if R < d_out else rows  # [N, R, d_A]
+                rotated = torch.einsum("knro,nri->knoi", g_side, a_side)
+                if R >= d_A:
+                    rotated = Q_B.T @ rotated
+                if R >= d_out:
+                    rotated = rotated @ Q_A
+                S[id(block)].add_(rotated.square_().sum(dim=(0, 1)), alpha=weight)  # a new tensor
         return [S[id(block)] for block in self.blocks]
 
     def _matmat(self, M: list[Tensor], out: list[Tensor]) -> None:
         def apply(block: KroneckerBlock, V: Tensor, result: Tensor) -> None:
             Q_B, Q_A, _, _, S = self._spectra[id(block)]  # Q_B [(Q_B^T V Q_A) * S] Q_A^T
-            rotated = left_product(Q_B.T, right_product(V, Q_A)) * S.unsqueeze(-1)
+            rotated = left_product(Q_B.T, right_product(V, Q_A)).mul_(S.unsqueeze(1))
             left_product(Q_B, right_product(rotated, Q_A.T), result)
 
         blockwise(self.blocks, M, out, apply)

@@ -33,13 +33,12 @@ from avionics.curvature.kfac_inverse import (
     left_product,
     right_product,
 )
+from avionics.curvature.kfac_rows import CONVOLUTIONS, accumulate_gram, input_rows, output_rows
 from avionics.curvature.kfac_state import check_finite, check_state, operator_state
 from avionics.persample.capture import Capture, ModuleCall, output_edge
-from avionics.persample.rules.conv import unfold
 
 FISHER_TYPES = ("mc", "type-2", "empirical", "forward-only")
 KFAC_APPROXIMATIONS = ("expand", "reduce")
-CONVOLUTIONS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 SUPPORTED_LAYERS = (nn.Linear, *CONVOLUTIONS)
 
 
@@ -64,7 +63,7 @@ class KFACOperator(ModelDataOperator):
 
     Every block belongs to one ``nn.Linear`` or ``nn.Conv1d/2d/3d`` layer z = W a (+ b), a
     its input (for a convolution the unfolded patches, with any padding mode: see
-    :func:`~avionics.persample.rules.conv.unfold`), z its output. With the GGN
+    :func:`~avionics.curvature.kfac_rows.patch_rows`), z its output. With the GGN
     sum_b w_b J_b^T Lambda_b J_b (:class:`~avionics.curvature.ggn.GGNOperator`),
     Lambda_b = sum_k s_k s_k^T, and g_k = (dz/df)^T s_k the vectors backpropagated to z, the
     block of W is approximated by (Martens & Grosse, "Optimizing neural networks with
@@ -185,6 +184,7 @@ class KFACOperator(ModelDataOperator):
 
     FISHER_TYPES = FISHER_TYPES
     STATE_FACTORS = ("B", "A")
+    PRODUCTS_PASS_OVER_DATA = False  # they read the stored factors only
 
     def __init__(self, model: nn.Module, loss_fn, params, data, *, fisher_type: str = "mc",
                  mc_samples: int = 1, seed: int = 0, separate_weight_and_bias: bool = True,
@@ -227,6 +227,12 @@ class KFACOperator(ModelDataOperator):
         self._unchecked: list[dict[str, Tensor]] | None = None  # see from_state_dict
         self.blocks = self._find_blocks()
         self._spectra: dict[int, tuple[Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
+
+    @property
+    def FIXED_DATA_ORDER(self) -> bool:  # noqa: N802 (the base class's attribute)
+        """For ``"mc"``, whose draws are seeded by the batch's index (the determinism check
+        compares the outputs batch by batch); the other types sum the batches in any order."""
+        return self._fisher_type == "mc"
 
     @property
     def blocks(self) -> list[KroneckerBlock]:
@@ -359,9 +365,9 @@ class KFACOperator(ModelDataOperator):
                 a, g = a.mean(dim=1), None if g is None else g.sum(dim=2)
             a = a.flatten(0, -2)
             layer_sums = sums[id(layer)]
-            _accumulate_gram(layer_sums, 0, a, 1.0)
+            accumulate_gram(layer_sums, 0, a, 1.0)
             if g is not None:
-                _accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
+                accumulate_gram(layer_sums, 1, g.flatten(0, -2), weight)
             rows[id(layer)] += samples if per_call else len(a)
         result = []
         for layer in layers:
@@ -411,10 +417,10 @@ class KFACOperator(ModelDataOperator):
                     gradients = _output_gradients(output, calls, vectors)
                 weight = self._batch_weight(X)
                 for layer in layers:
-                    a = [_input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
+                    a = [input_rows(layer, x, id(layer) in joint) for x in inputs[layer]]
                     g = None
                     if gradients is not None:
-                        g = _concatenated([_output_rows(layer, t) for t in gradients[layer]], 2)
+                        g = _concatenated([output_rows(layer, t) for t in gradients[layer]], 2)
                     yield weight, layer, _concatenated(a, 1), g, [len(t[0]) for t in a]
 
     def _forward(
@@ -573,7 +579,8 @@ class KFACOperator(ModelDataOperator):
 
         Everything in the state is checked here but the factors' finiteness, which is checked
         at their first use (a product, :meth:`inverse`, a scalar, :meth:`state_dict`,
-        ``blocks``): a factor with a NaN or inf entry raises a ValueError naming it there."""
+        ``blocks``), or here with ``check_deterministic``: a factor with a NaN or inf entry
+        raises a ValueError naming it."""
         configuration = state.get("configuration") if isinstance(state, dict) else None
         if not isinstance(configuration, dict):
             raise ValueError(
@@ -593,9 +600,11 @@ class KFACOperator(ModelDataOperator):
         # state): the check reads every entry, as long as loading all the rest
         factors = check_state(operator, state, finite=False)
         operator._load_factor_state(factors)
-        operator._unchecked = factors
-        if check_deterministic:
+        if check_deterministic:  # the whole check: the factors too, and the passes
+            check_finite(operator, factors, f"{cls.__name__}.from_state_dict")
             operator._check_deterministic()
+        else:
+            operator._unchecked = factors
         return operator
 
 
@@ -606,23 +615,6 @@ def _logdet(factor: Tensor) -> Tensor:
     if int(info) != 0:
         return torch.tensor(-math.inf, dtype=factor.dtype, device=factor.device)
     return 2 * torch.diagonal(L).log().sum()
-
-
-def _accumulate_gram(sums: list, i: int, rows: Tensor, weight: float) -> None:
-    """sums[i] += weight rows^T rows (sums[i] made at the first batch). Of a wide Gram matrix
-    (d >= 512) only the blocks on and above the diagonal are multiplied, in 4 row blocks,
-    and mirrored: 5/8 of the products (for 128 rows of 784 on one thread, 1.2 ms for 1.6)."""
-    d = rows.shape[1]
-    first = sums[i] is None
-    if first:
-        sums[i] = rows.new_empty(d, d)
-    gram, parts = sums[i], 4 if d >= 512 else 1
-    edges = [d * k // parts for k in range(parts + 1)]
-    for start, end in zip(edges[:-1], edges[1:]):
-        # beta = 0 ignores the uninitialised entries of a new sum
-        gram[start:end, start:].addmm_(rows[:, start:end].T, rows[:, start:],
-                                       beta=0.0 if first else 1.0, alpha=weight)  # fmt: skip
-        gram[end:, start:end].copy_(gram[start:end, end:].T)
 
 
 def _curvlinops_calls(a: Tensor, g: Tensor | None, calls: list[int], kfac_approx: str):
@@ -650,10 +642,16 @@ def _output_gradients(
     output: Tensor, calls: dict[nn.Module, list[ModuleCall]], vectors: Tensor
 ) -> dict[nn.Module, list[Tensor]]:
     """g_k = (dz/df)^T s_k for the output z of every call, each [K, *z.shape]: one batched
-    backward for all k and calls; zeros for a z that the model output does not depend on."""
+    backward for all k and calls (a plain one for K = 1: vmap's per-operation overhead, e.g.
+    on GELU's backward, was 40% of a GPT's factor pass); zeros for a z that the model output
+    does not depend on."""
     flat = [call for layer_calls in calls.values() for call in layer_calls]
     edges = [output_edge(call.nodes[0]) for call in flat]
-    raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True, allow_unused=True)
+    if len(vectors) == 1:  # one vector (e.g. one MC draw): a plain backward, without vmap
+        raw = torch.autograd.grad(output, edges, vectors[0], allow_unused=True)
+        raw = [None if g is None else g.unsqueeze(0) for g in raw]
+    else:
+        raw = torch.autograd.grad(output, edges, vectors, is_grads_batched=True, allow_unused=True)
     gradients = iter(
         g if g is not None else _zeros(len(vectors), call) for g, call in zip(raw, flat)
     )
@@ -664,21 +662,3 @@ def _zeros(K: int, call: ModuleCall) -> Tensor:
     """The K gradients of a call output that does not reach the model output."""
     z = call.outputs[0]
     return torch.zeros(K, *z.shape, dtype=z.dtype, device=z.device)
-
-
-def _input_rows(layer: nn.Module, a: Tensor, joint_bias: bool) -> Tensor:
-    """The rows a_r of the layer input, [N, R, d_in] (+ a column of ones for a joint bias):
-    for a convolution its unfolded patches, one row per output position."""
-    if isinstance(layer, CONVOLUTIONS):
-        a = unfold(layer, a).transpose(1, 2)  # [N, positions, C_in prod(kernel)]
-    a = a.reshape(a.shape[0], -1, a.shape[-1])
-    if joint_bias:
-        a = torch.cat([a, torch.ones_like(a[..., :1])], dim=-1)
-    return a
-
-
-def _output_rows(layer: nn.Module, g: Tensor) -> Tensor:
-    """The rows g_{k,n,r} of the vectors backpropagated to the layer output, [K, N, R, d_out]."""
-    if isinstance(layer, CONVOLUTIONS):
-        g = g.flatten(3).transpose(-1, -2)  # [K, N, positions, C_out]
-    return g.reshape(g.shape[0], g.shape[1], -1, g.shape[-1])

@@ -7,8 +7,11 @@ import torch
 from curvature_problems import block_diagonal_part, dense_empirical_fisher, dense_ggn
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
 from avionics.curvature import EKFACOperator, KFACOperator
+from avionics.curvature.kfac_rows import patch_rows
+from avionics.persample.rules.conv import unfold
 
 
 def dense(A) -> torch.Tensor:
@@ -87,6 +90,24 @@ def test_mc_converges_to_type2():
     assert errors[1] < 0.05 < errors[0]
 
 
+def test_the_determinism_check_refuses_shuffled_data_for_mc_only():
+    """The MC draws are seeded by the batch's index: with the batches in another order the
+    factors differ, and the check (which then compares the model outputs batch by batch)
+    refuses shuffled data; type-2 sums over the batches in any order and takes it."""
+    model, loss_fn = _mlp(), nn.CrossEntropyLoss()
+    data = [(torch.randn(n, 4, dtype=torch.float64), torch.randint(0, 3, (n,))) for n in (3, 2)]
+    in_order, reversed_order = (KFACOperator(model, loss_fn, None, batches)
+                                for batches in (data, data[::-1]))  # fmt: skip
+    assert not torch.allclose(dense(in_order), dense(reversed_order))
+    shuffled = DataLoader(TensorDataset(torch.randn(10, 4, dtype=torch.float64),
+                                        torch.randint(0, 3, (10,))), 4, shuffle=True)  # fmt: skip
+    torch.manual_seed(1)
+    for operator in (KFACOperator, EKFACOperator):
+        with pytest.raises(RuntimeError, match="model outputs differ between two passes"):
+            operator(model, loss_fn, None, shuffled)
+    KFACOperator(model, loss_fn, None, shuffled, fisher_type="type-2")
+
+
 def test_damped_inverse():
     model = _mlp()
     data = [(torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,)))]
@@ -132,6 +153,33 @@ def test_ekfac_is_the_exact_diagonal_in_the_kronecker_eigenbasis():
     torch.testing.assert_close(torch.diag(basis.T @ dense(ekfac) @ basis), exact_diagonal)
     assert not torch.allclose(torch.diag(basis.T @ dense(kfac) @ basis), exact_diagonal)
     torch.testing.assert_close(basis.T @ dense(ekfac) @ basis, torch.diag(exact_diagonal))
+
+
+def test_ekfac_is_the_exact_diagonal_in_the_kronecker_eigenbasis_of_convolutions():
+    """Convolutions with R rows a sample more or fewer than d_out and d_A (each of EKFAC's
+    rotations on the rows or on the per-sample gradients): in the basis Q_B (x) Q_A of each
+    block, S is the diagonal of the GGN's block (type-2 sums the per-sample gradients'
+    squares exactly)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv1d(4, 3, 3), nn.Tanh(),  # R = 4: rotates g first, G by Q_A
+        nn.Conv1d(3, 2, 1), nn.Tanh(),  # R = 4 >= d_A = 3, d_out = 2: G by both
+        nn.Conv1d(2, 5, 2), nn.Tanh(),  # R = 3 < d_A = 4, d_out = 5: rows by both
+        nn.Flatten(), nn.Linear(15, 2),
+    ).double()  # fmt: skip
+    data = [(torch.randn(n, 4, 6, dtype=torch.float64), torch.randint(0, 2, (n,))) for n in (3, 2)]
+    loss_fn = nn.CrossEntropyLoss()
+    ekfac = EKFACOperator(model, loss_fn, None, data, fisher_type="type-2")
+    ggn = dense_ggn(model, loss_fn, data)
+    offsets = [0]
+    for p in model.parameters():
+        offsets.append(offsets[-1] + p.numel())
+    for block in ekfac.blocks:
+        (i,) = block.param_indices
+        Q_B, Q_A, _, _, S = ekfac._spectra[id(block)]
+        basis = torch.kron(Q_B, Q_A)
+        part = ggn[offsets[i] : offsets[i + 1], offsets[i] : offsets[i + 1]]
+        torch.testing.assert_close(S.flatten(), torch.diag(basis.T @ part @ basis))
 
 
 def test_ekfac_equals_kfac_where_kfac_is_exact_and_its_damped_inverse():
@@ -259,3 +307,22 @@ def test_a_layer_called_twice_has_the_rows_of_both_calls(operator):
     K = operator(twice, loss_fn, None, data, fisher_type="type-2")
     expected = operator(once, loss_fn, None, data, fisher_type="type-2")
     torch.testing.assert_close(dense(K), dense(expected), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv1d(3, 2, 3, stride=2, padding=1),
+        nn.Conv2d(3, 2, (3, 2), stride=(2, 1), padding=(1, 2), dilation=(1, 2)),
+        nn.Conv2d(3, 2, 3, padding="same", padding_mode="reflect"),
+        nn.Conv2d(3, 2, 2, padding=1, padding_mode="circular"),
+        nn.Conv3d(2, 2, (2, 3, 1), stride=(1, 2, 1), padding=(0, 1, 1), dilation=(2, 1, 1)),
+    ],
+)
+def test_patch_rows_are_the_unfolded_input_transposed(conv):
+    """The rows of KFAC's input factor (windows of the channels-last input) are the unfolded
+    patches of the per-sample rules, one row per output position, exactly."""
+    x = torch.randn(2, conv.in_channels, *[7] * (conv.weight.dim() - 2), dtype=torch.float64)
+    expected = unfold(conv.double(), x).transpose(1, 2)
+    assert torch.equal(patch_rows(conv, x), expected)
+    assert patch_rows(conv, x).shape[1] == conv(x)[0, 0].numel()
