@@ -67,7 +67,11 @@ def child_commands() -> list[str]:
     """The command names of this process's live child processes (Linux /proc)."""
     names = []
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        for child in (task / "children").read_text().split():
+        try:  # a thread may end between the listing and the read
+            children = (task / "children").read_text().split()
+        except FileNotFoundError:
+            continue
+        for child in children:
             with contextlib.suppress(FileNotFoundError):
                 state = Path(f"/proc/{child}/stat").read_text().split(") ")[-1][0]
                 if state != "Z":
