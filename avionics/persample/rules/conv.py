@@ -90,7 +90,11 @@ class ConvRule(BilinearRule):
             d = batch_first(output_gradient(call), call.batch_axis, n, "Convolution output")
             self.raw_deltas.append(d)
             ds.append(d.reshape(n, groups, d.shape[1] // groups, -1).transpose(2, 3))
-        self.delta = concatenate(ds, 2) * output_gradient_factor  # [N, G, T, O/G]
+        # [N, G, T, O/G], a view of the output gradients where the layer is called once: the
+        # factor goes on the input, scaled before it is unfolded (inputs), only by the plans
+        # that unfold it; the layer's own kernels scale their results; the bias reads
+        # delta_scale
+        self.delta, self.delta_scale = concatenate(ds, 2), output_gradient_factor
 
     def kernels(self) -> LayerKernels:
         """The layer's own kernels: G_n by one grouped convolution, by the weight gradient of
@@ -229,11 +233,13 @@ class ConvRule(BilinearRule):
         return out
 
     def inputs(self, start: int, stop: int) -> Tensor:
-        """The unfolded inputs of samples start..stop-1, [stop - start, G, T, (C/G) K]: built
-        per chunk, since the unfolded input is prod(kernel) times the size of the input."""
+        """The unfolded inputs of samples start..stop-1 times the output-gradient factor c,
+        [stop - start, G, T, (C/G) K]: built per chunk, since the unfolded input is
+        prod(kernel) times the size of the input; c x scaled before unfolding (unfolding and
+        padding are linear), so G_n = sum_t delta_t (c x_t)^T."""
         groups, xs = self.module.groups, []
         for x in self.raw_inputs:
-            cols = unfold(self.module, x[start:stop])  # [c, C*K, L]
+            cols = unfold(self.module, x[start:stop] * self.output_gradient_factor)  # [c, C*K, L]
             xs.append(cols.reshape(stop - start, groups, -1, cols.shape[-1]).transpose(2, 3))
         return concatenate(xs, 2)
 
