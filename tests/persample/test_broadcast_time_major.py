@@ -9,6 +9,7 @@ import torch
 from test_engine import assert_exact
 from torch import nn
 
+from avionics import Cockpit, configuration
 from avionics.persample.rules.broadcast import SharedParameterRule
 
 
@@ -110,3 +111,19 @@ def test_a_scale_of_time_major_tokens_is_refused_naming_it_until_the_batch_axis_
         models.captured_engine_step(model, ids, y, _losses)
     model.batch_first = False
     assert_exact(model, ids, y, _losses)
+
+
+@pytest.mark.parametrize("body", ["lstm", "transformer"])
+def test_the_economy_preset_tracks_a_time_major_model_with_a_position_table(body):
+    """The cockpit's run that crashed in ``sum_to_size`` (every instrument of the preset)."""
+    torch.manual_seed(3)
+    model = PositionalTokens(body, False).double()
+    ids, y = torch.randint(0, 11, (5, 4)), torch.randint(0, 3, (4,))
+    cockpit = Cockpit(model, configuration("economy"))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = _losses(model(ids), y)
+    loss = losses.mean()
+    info = {"loss": loss, "individual_losses": losses, "batch_size": 4, "optimizer": opt}
+    with cockpit(0, info):
+        loss.backward()
+    assert cockpit.get_output()
