@@ -53,6 +53,9 @@ class ModuleCall:
     # (root calls only) id(parameter) -> per-sample gradients [N, *shape] of a parameter used
     # directly in a forward and broadcast into the batch by additions (None: not broadcast)
     shared_parameter_gradients: dict = field(default_factory=dict)
+    # (root calls only) id(parameter) -> the UseAxes of each of those uses, checked against
+    # the batch size (avionics.persample.rules.broadcast.check_use_axes)
+    shared_parameter_axes: dict = field(default_factory=dict)
     # what a rule found inside the call's graph at forward time and has the backward fill in
     # (an attention call's projections: avionics.persample.rules.attention.Inside), or None
     inside: object | None = None

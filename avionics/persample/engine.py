@@ -32,7 +32,11 @@ from avionics.persample.calls import ModuleCall
 from avionics.persample.capture import Capture, at_least_float32, batch_axes
 from avionics.persample.precision import computing, computing_dtype
 from avionics.persample.routing import Routing
-from avionics.persample.rules.broadcast import parameter_owners
+from avionics.persample.rules.broadcast import (
+    ELEMENTWISE,
+    check_shared_parameters,
+    parameter_owners,
+)
 from avionics.persample.step import CapturedStep
 
 # Elements of one slice of the gradient check's differences (1 MiB in float32).
@@ -98,6 +102,7 @@ class PerSampleEngine(Routing):
         if cast is not None and rtol is None:
             rtol = 4 * torch.finfo(cast).eps  # (the backward rounded each product to it)
         _find_batch_axes(calls, n, self.model)
+        check_shared_parameters(self.model, calls, n)
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
             step = CapturedStep(self, calls, n, output_gradient_factor)  # rerouted
@@ -257,17 +262,22 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
             if len(axes) == 1:
                 call.batch_axis = axes[0]
     if ambiguous:
-        _propagated_axes(calls, ambiguous)
+        _propagated_axes(calls, ambiguous, root)
 
 
-def _propagated_axes(calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]]) -> None:
+def _propagated_axes(
+    calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]], root: nn.Module
+) -> None:
     """The batch axis of calls whose first input has N entries on several ``axes``, from the
     calls whose axis is known, until nothing changes: a call whose output is the first input
     of a known call (directly, or packed by ``pack_padded_sequence``, whose ``batch_first``
     autograd keeps) and whose output keeps its input's leading axes takes that input's axis
     (an nn.Embedding of time-major token ids before a batch_first=False RNN); a call whose
     first input is a known call's first input takes its axis (the root and that embedding).
-    A call left undecided keeps its inherited axis."""
+    A call left undecided takes the axis of the nearest enclosing module of ``root`` whose
+    calls are all decided (:func:`_enclosing_axes`: the Linear layers of an
+    nn.TransformerEncoderLayer, which has no ``batch_first`` attribute of its own, below the
+    layer found time-major), else keeps its inherited axis."""
     pending = {id(call): (call, axes) for call, axes in ambiguous}
     known = [c for cs in calls.values() for c in cs if id(c) not in pending and c.inputs]
     while pending and known:
@@ -284,6 +294,26 @@ def _propagated_axes(calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]])
                     continue
                 found.append(pending.pop(key)[0])
         known = found
+    _enclosing_axes(calls, pending, root)
+
+
+def _enclosing_axes(calls: dict, pending: dict, root: nn.Module) -> None:
+    """The batch axis of each call in ``pending`` (id -> (call, its candidate axes)): that of
+    the nearest enclosing module of ``root`` with calls, all decided, on one axis among the
+    call's candidates; the call keeps its axis where the nearest such module has none."""
+    if not pending:
+        return
+    parents = {child: parent for parent in root.modules() for child in parent.children()}
+    for call, axes in pending.values():
+        module = parents.get(call.module)
+        while module is not None and not calls.get(module):
+            module = parents.get(module)
+        around = calls.get(module, [])
+        if any(id(c) in pending for c in around):
+            continue
+        found = {c.batch_axis for c in around}
+        if len(found) == 1 and found <= set(axes):
+            call.batch_axis = found.pop()
 
 
 def _producer_node(call: ModuleCall) -> tuple[object | None, int]:
@@ -306,11 +336,25 @@ def _producer_node(call: ModuleCall) -> tuple[object | None, int]:
 
 def _keeps_leading_axes(call: ModuleCall, node, axis: int) -> bool:
     """Whether ``node`` produced an output of ``call`` that has the call's first input's
-    sizes on axes 0..``axis`` (an embedding, a Linear or an elementwise module)."""
+    sizes on axes 0..``axis`` (an embedding, a Linear or an elementwise module), or added a
+    tensor broadcast to that output's shape (a position table: embed(ids) + pos[:T])."""
     shape = call.inputs[0].shape
     for produced, i in zip(call.nodes, call.node_outputs, strict=True):
         out = call.outputs[i].shape
-        ours = not isinstance(produced, Tensor) and produced[0] is node
+        ours = not isinstance(produced, Tensor) and (
+            produced[0] is node or _elementwise_of(node, produced[0], out)
+        )
         if ours and len(out) > axis and out[: axis + 1] == shape[: axis + 1]:
             return True
     return False
+
+
+def _elementwise_of(node, produced, shape) -> bool:
+    """Whether ``node`` is an elementwise operation (h = e + v) of the output of ``produced``
+    whose result keeps that output's ``shape`` (v broadcast to it)."""
+    return (
+        node is not None
+        and node.name() in ELEMENTWISE
+        and tuple(node._input_metadata[0].shape) == tuple(shape)
+        and any(child is produced for child, _ in node.next_functions)
+    )

@@ -97,7 +97,10 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
             for node, scale in uses:
                 handles.append(node.register_prehook(_accumulator(call, i, scale)))
     for leaf in leaves:
-        for node, per_sample in _parameter_uses(leaf, consumers, axis, n) or ():
+        uses = _parameter_uses(leaf, consumers, axis) or ()
+        if uses:
+            last.shared_parameter_axes[id(leaf.variable)] = [axes for _, _, axes in uses]
+        for node, per_sample, _ in uses:
             handles.append(node.register_prehook(_parameter_accumulator(last, leaf, per_sample)))
     # parameters the forward does not reach: g_n = 0 (a zero of stride 0, materialised by the
     # rule a chunk of samples at a time)
@@ -115,14 +118,14 @@ def _prepends_axes(uses, call, output: int, axis: int) -> bool:
     then y is not batched but shared by the samples."""
     rank = len(call.outputs[output].shape)
     for node, _ in uses:
-        if node.name() in _ELEMENTWISE:
+        if node.name() in ELEMENTWISE:
             result = len(node._input_metadata[0].shape)
             if result > rank and call.batch_axis + result - rank != axis:
                 return True
     return False
 
 
-_ELEMENTWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0"}
+ELEMENTWISE = {"AddBackward0", "SubBackward0", "MulBackward0", "DivBackward0"}
 
 
 def _fewer_index_axes(call, x: Tensor) -> bool:
@@ -142,16 +145,14 @@ def shared_parameter_uses(root_call, params: list[Tensor]) -> dict[int, list[tup
 
     One walk of the graph: for gradients other than the captured one (the GGN diagonal's
     columns), which ask autograd for dh at the use nodes instead of hooking them."""
-    axis = root_call.batch_axis
-    n = root_call.inputs[0].shape[axis]
     wanted = {id(p): p for p in params}
     consumers, leaves = _consumers(root_call.nodes, wanted)
     found = {id(p): [] for p in params}
     for leaf in leaves:
-        uses = _parameter_uses(leaf, consumers, axis, n)
+        uses = _parameter_uses(leaf, consumers, root_call.batch_axis)
         if uses is None:
             return None
-        found[id(leaf.variable)] += uses
+        found[id(leaf.variable)] += [(node, per_sample) for node, per_sample, _ in uses]
     return found
 
 
@@ -182,18 +183,94 @@ def _consumers(roots, direct: dict) -> tuple[dict, list]:
     return consumers, leaves
 
 
-def _parameter_uses(leaf, consumers, axis: int, n: int) -> list[tuple] | None:
-    """(broadcasting node, dh -> the parameter's per-sample gradients) for each use of the
-    parameter of ``leaf`` (:func:`_uses`, :func:`_per_sample`); None where one has no closed
-    form, or a product couples it with a statistic of the batch (the generic rule says so)."""
+def _parameter_uses(leaf, consumers, preferred: int) -> list[tuple] | None:
+    """(broadcasting node, dh -> the parameter's per-sample gradients, :class:`UseAxes`) for
+    each use of the parameter of ``leaf`` (:func:`_uses`, :func:`_per_sample`), the batch on
+    the axis of dh that :func:`_use_batch_axes` finds; None where one has no closed form, no
+    such axis, or a product couples it with a statistic of the batch (the generic rule says so)."""
     uses = _uses((leaf, 0), consumers, leaf.variable.shape)
-    if uses and any(_reduces_over_batch(scale, axis, n) for _, scale, _, _ in uses):
-        return None
     if uses is None:
         return None
-    return [
-        (node, _per_sample(scale, views, shape, axis, n)) for node, scale, views, shape in uses
-    ]
+    found = []
+    for node, scale, views, shape in uses:
+        axes = _use_batch_axes(node, shape, preferred)
+        if axes is None:
+            return None
+        axis, n = axes.axis, axes.sizes[axes.axis]
+        if _reduces_over_batch(scale, axis, n):
+            return None
+        found.append((node, _per_sample(scale, views, shape, axes), axes))
+    return found
+
+
+class UseAxes:
+    """Where the batch of a broadcasting node's output dh (shape ``sizes``) may be for one
+    use of a shared parameter: ``candidates``, the axes the operand is broadcast along (a
+    parameter every sample shares has the batch on one of them), and ``axis``, the one its
+    per-sample map reduces over (checked against the batch size by :func:`check_use_axes`)."""
+
+    def __init__(self, sizes: tuple, candidates: list[int], axis: int):
+        self.sizes, self.candidates, self.axis = sizes, candidates, axis
+
+
+def _use_batch_axes(node, shape, preferred: int) -> UseAxes | None:
+    """:class:`UseAxes` of the operand of ``shape`` at ``node``: the axes of the node's output
+    where the operand, aligned to the right as broadcasting does, is missing or of size 1
+    (pos[:T] of [T, 1, W] added to time-major [T, N, W]: axis 1 alone, whatever N and T).
+    The batch axis is the one candidate, else ``preferred`` (the root's) where it is one; None
+    where neither (no closed form: the generic rule)."""
+    sizes = tuple(node._input_metadata[0].shape)
+    offset = len(sizes) - len(shape)
+    candidates = [a for a in range(len(sizes)) if a < offset or shape[a - offset] == 1]
+    if len(candidates) == 1:
+        return UseAxes(sizes, candidates, candidates[0])
+    if preferred in candidates:
+        return UseAxes(sizes, candidates, preferred)
+    return None
+
+
+def check_shared_parameters(root: nn.Module, calls: dict, n: int) -> None:
+    """Drop the per-sample gradients of the root's shared parameters (``calls``' one root
+    call's ``shared_parameter_gradients``) that did not reduce over the batch axis of ``n``
+    samples (:func:`check_use_axes`): the generic rule takes those parameters. The batch
+    axis is known where the root has a ``batch_first`` attribute, or where every call that
+    carries the batch has it on one axis (as the engine corrected them)."""
+    roots = calls.get(root, [])
+    if len(roots) != 1 or not roots[0].shared_parameter_axes:
+        return
+    flag = getattr(root, "batch_first", None)
+    axes = {c.batch_axis for cs in calls.values() for c in cs if c.carries_batch(n)}
+    known = (
+        (0 if flag else 1) if isinstance(flag, bool) else (min(axes) if len(axes) == 1 else None)
+    )
+    gradients = roots[0].shared_parameter_gradients
+    names = {id(p): name for name, p in root.named_parameters()}
+    for key, uses in roots[0].shared_parameter_axes.items():
+        if gradients.get(key) is not None and not check_use_axes(uses, n, known, names[key]):
+            gradients[key] = None
+
+
+def check_use_axes(uses: list[UseAxes], n: int, known: int | None, name: str) -> bool:
+    """Whether each use of the shared parameter ``name`` (its :class:`UseAxes`) reduced over
+    the batch axis of ``n`` samples: the axis used is the only candidate with ``n`` entries,
+    or the model's ``known`` batch axis. False where no candidate has ``n`` entries (the
+    parameter is not broadcast along the batch: the generic rule is taken); a ValueError where
+    the axis used is another one, or one of several with ``n`` entries while the batch axis
+    is not known (the backward reduced before the batch size was known)."""
+    for use in uses:
+        sized = [a for a in use.candidates if use.sizes[a] == n]
+        if not sized:
+            return False
+        if use.axis != known and (use.axis not in sized or len(sized) > 1):
+            raise ValueError(
+                f"The per-sample gradients of the parameter {name!r} need the batch axis of "
+                f"the tensor of shape {tuple(use.sizes)} it is broadcast into along axes "
+                f"{use.candidates}: axes {sized} have the batch size {n}, and the model's "
+                f"modules do not agree on one batch axis (it was taken as axis {use.axis}). "
+                "Give the model a `batch_first` attribute (True: the batch on axis 0 of its "
+                "inputs, False: on axis 1)."
+            )
+    return True
 
 
 def _direct_users(root: nn.Module, forward, owners) -> list[nn.Module]:
@@ -257,25 +334,24 @@ def _uses(edge, consumers, shape, views=()) -> list[tuple] | None:
     return found
 
 
-def _per_sample(scale: float, views: tuple, shape, axis: int, n: int):
-    """dh (the addition's gradient, batch on ``axis``) -> the parameter's per-sample
-    gradients [n, *parameter shape]: each sample's dh reduced to the operand's ``shape`` as
-    broadcasting does, then through the views' backward."""
-    shape = tuple(shape)
+def _per_sample(scale: float, views: tuple, shape, axes: UseAxes):
+    """dh (the node's gradient, batch on ``axes.axis``, n = its size there) -> the
+    parameter's per-sample gradients [n, *parameter shape]: each sample's dh reduced to the
+    operand's ``shape`` as broadcasting does, then through the views' backward."""
+    shape, axis, n = tuple(shape), axes.axis, axes.sizes[axes.axis]
+    # the operand's shape without the batch axis where it has one (of size 1 there)
+    inside = axis - (len(axes.sizes) - len(shape))
+    rest = shape[:inside] + shape[inside + 1 :] if inside >= 0 else shape
 
     def one(g: Tensor) -> Tensor:  # one sample's dh, without the batch axis
-        if len(shape) == g.dim() + 1:  # the operand has the batch axis, of size 1
-            g = g.unsqueeze(axis)
-        g = g.sum_to_size(shape)
+        g = g.sum_to_size(rest).reshape(shape)
         for view in views:
             g = view(g)
         return g
 
     def every_sample(g: Tensor) -> Tensor:  # ``one`` of all samples, where there are no views
         g = g.movedim(axis, 0)  # [n, *one sample's dh]
-        if len(shape) == g.dim():
-            return g.unsqueeze(axis + 1).sum_to_size(n, *shape)
-        padded = (1,) * (g.dim() - 1 - len(shape)) + shape
+        padded = (1,) * (g.dim() - 1 - len(rest)) + rest
         return g.sum_to_size(n, *padded).reshape(n, *shape)
 
     reduce = every_sample if not views else vmap(one, in_dims=axis)
