@@ -81,6 +81,10 @@ _SEARCH_COST = 64
 # Sorting a row costs about as much as counting its products with this many factors one by
 # one (numpy's sort: about 4 ns per element; the one-by-one kernel: about 1 ns per product).
 _SORT_ROWS = 4
+# A Linear layer's products are formed (a tensor [N, O, I]) and counted as values when there
+# are fewer than this many: below it the fused kernel's per-row work and Python (the sort, the
+# search's estimate) cost more than forming them; 1 thread, benchmarks/tally_crossover.py.
+DENSE_PRODUCTS = 2**15
 
 
 def _cache_probe():
@@ -418,6 +422,10 @@ class Tally1d:
             self.add_by_torch(chunk)
             return
         lo, scale, bins = self.lo, self.scale, self.bins
+        if isinstance(chunk, OuterProducts) and chunk.delta.numel() * chunk.x.shape[1] < (
+            DENSE_PRODUCTS
+        ):
+            chunk = _products(*_same_dtype(chunk))
         if isinstance(chunk, OuterProducts):
             # the longer factor is sorted (numpy's vectorised sort), the other one iterated
             delta, x = _factors(chunk)
@@ -560,6 +568,8 @@ def load_kernels(dtypes, dims=(1, 2)) -> None:
             values = torch.linspace(-1.0, 1.0, 8, dtype=dtype).reshape(2, 4)
             for chunk, width in ((values, 4), (OuterProducts(values[:, :2], values), 8)):
                 if dim == 1:
+                    if isinstance(chunk, OuterProducts):  # enough products for the fused kernel
+                        chunk = OuterProducts(values[:1, :1], values.new_zeros(1, DENSE_PRODUCTS))
                     count_1d(chunk, -1.0, 1.0, torch.zeros(2, dtype=torch.int64))
                 else:
                     offsets = torch.arange(width, dtype=torch.int32) * 2
@@ -629,6 +639,12 @@ def _parts(chunk: Tensor | OuterProducts, width: int):
     per = max(1, TORCH_PART // max(1, width))
     for start in range(0, len(values), per):
         yield values[start : start + per], None
+
+
+def _products(delta: Tensor, x: Tensor) -> Tensor:
+    """The products delta_{n,o} x_{n,i} [N, O, I] of factors delta [N, O] and x [N, I] (of
+    one dtype: :func:`_same_dtype`), rounded in that dtype as the fused kernels round them."""
+    return delta[:, :, None] * x[:, None, :]
 
 
 def _same_dtype(chunk: OuterProducts) -> tuple[Tensor, Tensor]:

@@ -142,13 +142,23 @@ def brute_force_2d(chunk, offsets: torch.Tensor, bins, lo, hi, size: int) -> np.
     return counts
 
 
+@pytest.fixture(params=["fused", "dense"])
+def products_path(request, monkeypatch):
+    """How Tally1d counts a Linear layer's products in this test, whatever their number: by
+    the fused outer-product kernel (DENSE_PRODUCTS = 0) or formed [N, O, I] and counted as
+    values (DENSE_PRODUCTS above any test's size)."""
+    monkeypatch.setattr(binning, "DENSE_PRODUCTS", 0 if request.param == "fused" else 2**62)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("bins", [7, 100, binning.PAIR_BINS + 1])
 def test_the_torch_kernels_count_as_the_numba_kernels_and_a_loop_over_samples(
-    dtype, bins, monkeypatch
+    dtype, bins, monkeypatch, products_path
 ):
     """Values at and one rounding beside every bin edge, outside the range, infinite and NaN;
-    parts of a few values each (TORCH_PART small), so that a sample spans several parts."""
+    parts of a few values each (TORCH_PART small), so that a sample spans several parts; the
+    products of a Linear layer by both paths of Tally1d (``products_path``)."""
     monkeypatch.setattr(binning, "TORCH_PART", 37)
     lo, hi = -0.75, 1.25
     edges = edge_values(bins, lo, hi, dtype)
@@ -185,7 +195,7 @@ def test_the_torch_kernels_count_as_the_numba_kernels_and_a_loop_over_samples(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("bins", [31, binning.PAIR_BINS + 1])
-def test_outer_products_count_as_their_materialised_values(dtype, bins):
+def test_outer_products_count_as_their_materialised_values(dtype, bins, products_path):
     """The fused kernels bin delta_{n,o} x_{n,i} exactly as the materialised products."""
     delta = random_values(3 * 5, dtype, seed=5).reshape(3, 5)
     x = random_values(3 * 1500, dtype, seed=6).reshape(3, 1500)  # rows longer than a batch
@@ -211,9 +221,41 @@ def test_outer_products_count_as_their_materialised_values(dtype, bins):
     assert fused.sum() == g.numel()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("size", ["below", "at"])
+def test_products_below_the_cut_are_formed_and_from_it_on_fused(monkeypatch, dtype, size):
+    """With the default DENSE_PRODUCTS (2^15 products), 7 x 31 x 151 = 2^15 - 1 products are
+    formed and counted as values, 8 x 32 x 128 = 2^15 by the fused kernel; both count as a
+    float64 loop over the products (every bin edge and its neighbours, beyond the range, +-inf,
+    NaN, zero factors) and, on finite random values, as numpy.histogram."""
+    assert binning.DENSE_PRODUCTS == 2**15
+    n, o, i = (7, 31, 151) if size == "below" else (8, 32, 128)
+    fused = []
+    kernel = binning._count_outer_1d
+    monkeypatch.setattr(binning, "_count_outer_1d", lambda *a: fused.append(1) or kernel(*a))
+    lo, hi, bins = -0.75, 1.25, 100
+    edges = edge_values(bins, lo, hi, dtype)
+    x = torch.cat([edges, random_values(n * i - len(edges), dtype, seed=31)]).reshape(n, i)
+    delta = random_values(n * o, dtype, seed=32).reshape(n, o)
+    delta[:, :4] = torch.tensor([1.0, -1.0, 0.0, 0.5], dtype=dtype)  # the edges, exactly
+    outer = OuterProducts(delta, x)
+    counts = torch.zeros(bins, dtype=torch.int64)
+    binning.count_1d(outer, lo, hi, counts)
+    np.testing.assert_array_equal(counts.numpy(), brute_force_1d(outer, bins, lo, hi))
+    assert counts.sum() == n * o * i and bool(fused) == (size == "at")
+
+    gen = torch.Generator().manual_seed(33)
+    delta, x = torch.randn(n, o, generator=gen), torch.randn(n, i, generator=gen)
+    outer = OuterProducts(delta.to(dtype), x.to(dtype))
+    counts = torch.zeros(bins, dtype=torch.int64)
+    binning.count_1d(outer, lo, hi, counts)
+    values = torch.stack(list(_per_sample(outer)))  # rounded as the kernels round them
+    np.testing.assert_array_equal(counts.numpy(), numpy_1d(values.numpy(), bins, lo, hi))
+
+
 @pytest.mark.parametrize("bins", [100, binning.PAIR_BINS + 1])
 @pytest.mark.parametrize("spread", [0.0, 1e-3, 3e-2, 0.2])
-def test_batches_spanning_few_bins_count_exactly(bins, spread):
+def test_batches_spanning_few_bins_count_exactly(bins, spread, products_path):
     """Batches of values spanning fewer than FEW_BINS bins are counted from their moments:
     the counts must equal those of the materialised products (edges at 0 included)."""
     gen = torch.Generator().manual_seed(7)
@@ -235,7 +277,8 @@ def test_batches_spanning_few_bins_count_exactly(bins, spread):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("shape", [(6, 40, 3000), (6, 3000, 40), (2, 1, 1), (3, 7, 7)])
 @pytest.mark.parametrize("limits", [(-2.0, 2.0), (-0.5, 0.3), (-1e-3, 1e-3)])
-def test_outer_products_counted_by_runs_of_a_sorted_factor(dtype, shape, limits):
+@pytest.mark.parametrize("products_path", ["fused"], indirect=True)
+def test_outer_products_counted_by_runs_of_a_sorted_factor(dtype, shape, limits, products_path):
     """The 1d kernel sorts a sample's longer factor and searches where the bins of its
     products change: runs of one bin, of a few and of many (counted one by one), factors of
     either sign, zeros and ties must all count exactly as the products binned one by one."""
@@ -255,7 +298,8 @@ def test_outer_products_counted_by_runs_of_a_sorted_factor(dtype, shape, limits)
         np.testing.assert_array_equal(counts.numpy(), np.bincount(index.numpy(), minlength=100))
 
 
-def test_runs_are_searched_only_where_sorting_pays(monkeypatch):
+@pytest.mark.parametrize("products_path", ["fused"], indirect=True)
+def test_runs_are_searched_only_where_sorting_pays(monkeypatch, products_path):
     """Sorting a sample's factor pays when enough of its products span few bins."""
     gen = torch.Generator().manual_seed(3)
     delta, x = torch.randn(8, 50, generator=gen), torch.randn(8, 400, generator=gen)
@@ -275,7 +319,8 @@ def test_runs_are_searched_only_where_sorting_pays(monkeypatch):
 
 
 @pytest.mark.parametrize("special", [float("nan"), float("inf"), -float("inf")])
-def test_runs_are_not_searched_in_rows_with_nan_or_inf(special):
+@pytest.mark.parametrize("products_path", ["fused"], indirect=True)
+def test_runs_are_not_searched_in_rows_with_nan_or_inf(special, products_path):
     """NaN sorts last and counts in the last bin: with negative factors the bins along such a
     sorted row are not monotone, so that sample is counted one by one."""
     gen = torch.Generator().manual_seed(4)
@@ -328,7 +373,9 @@ def test_compiling_the_kernels_is_said_once_and_loading_them_from_the_cache_is_n
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("spread", [0.01, 1.0])  # narrow: the sorted-runs search pays
-def test_counts_split_over_threads_equal_the_torch_operations(monkeypatch, dtype, spread):
+def test_counts_split_over_threads_equal_the_torch_operations(
+    monkeypatch, dtype, spread, products_path
+):
     """With 3 torch threads and parts of at least 8 values, every kernel's rows are split
     over 3 threads; the counts are those of the torch operations (and of one thread)."""
     monkeypatch.setattr(binning, "PER_THREAD", 8)
@@ -391,7 +438,9 @@ def test_a_cockpit_with_a_histogram_loads_the_kernels_its_first_step_uses():
 
 @pytest.mark.parametrize("bins", [100, binning.PAIR_BINS + 1])
 @pytest.mark.parametrize("threads", [1, 3])
-def test_a_tally_of_many_chunks_counts_as_all_their_values_at_once(monkeypatch, bins, threads):
+def test_a_tally_of_many_chunks_counts_as_all_their_values_at_once(
+    monkeypatch, bins, threads, products_path
+):
     """One Tally1d over a step's chunks (dense tensors, outer products, empty ones, NaN and
     inf, split over threads or not) counts what numpy counts of all their values."""
     monkeypatch.setattr(binning, "PER_THREAD", 8)
