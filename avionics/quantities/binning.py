@@ -19,7 +19,10 @@ of a product is monotone along it, so the products with one element of the other
 into a few runs of equal bins whose ends a search finds (a handful of products each).
 A batch of values that spans at most three bins (most batches, when the range is wide next
 to the values' spread) is counted from the sums of its bins and of their squares, which
-vectorise, instead of with increments.
+vectorise, instead of with increments. In 1d a chunk of fewer than :data:`DENSE_PRODUCTS` (2^15)
+products is formed instead ([N, O, I], the same rounding) and counted as values: there the
+fused kernel's fixed costs (the sort, the search's estimate, a tally per row) make it 2-4x
+slower than forming them (BENCHMARKS.md, "tally-crossover").
 
 Why kernels: a histogram of N * D elements costs one read of each at best. ``torch.histc`` and
 ``torch.bincount`` take 3-8 ns per element on a CPU core, several times the cost of writing
