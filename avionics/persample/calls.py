@@ -64,6 +64,9 @@ class ModuleCall:
     # arange(T) with T == N, broadcast into the batch with axes put in front of it: see
     # avionics.persample.rules.broadcast.hook_shared_outputs)
     shared: bool = False
+    # per output: its batch axis, found by the generic rule's re-run of the module on one
+    # sample (avionics.persample.rules.generic), or None before that rule has run
+    output_batch_axes: list[int] | None = None
 
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)

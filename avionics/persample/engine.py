@@ -262,7 +262,7 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
             if len(axes) == 1:
                 call.batch_axis = axes[0]
     if ambiguous:
-        _propagated_axes(calls, ambiguous, root)
+        _refuse_contradicted(calls, _propagated_axes(calls, ambiguous, root), n, root)
 
 
 def _propagated_axes(
@@ -277,7 +277,8 @@ def _propagated_axes(
     A call left undecided takes the axis of the nearest enclosing module of ``root`` whose
     calls are all decided (:func:`_enclosing_axes`: the Linear layers of an
     nn.TransformerEncoderLayer, which has no ``batch_first`` attribute of its own, below the
-    layer found time-major), else keeps its inherited axis."""
+    layer found time-major), else keeps its inherited axis. The calls left undecided, with
+    their candidate axes."""
     pending = {id(call): (call, axes) for call, axes in ambiguous}
     known = [c for cs in calls.values() for c in cs if id(c) not in pending and c.inputs]
     while pending and known:
@@ -294,26 +295,64 @@ def _propagated_axes(
                     continue
                 found.append(pending.pop(key)[0])
         known = found
-    _enclosing_axes(calls, pending, root)
+    return _enclosing_axes(calls, pending, root)
 
 
-def _enclosing_axes(calls: dict, pending: dict, root: nn.Module) -> None:
+def _enclosing_axes(calls: dict, pending: dict, root: nn.Module) -> list:
     """The batch axis of each call in ``pending`` (id -> (call, its candidate axes)): that of
     the nearest enclosing module of ``root`` with calls, all decided, on one axis among the
-    call's candidates; the call keeps its axis where the nearest such module has none."""
+    call's candidates; the call keeps its axis where the nearest such module has none. The
+    calls that keep it, with their candidate axes."""
     if not pending:
-        return
+        return []
+    undecided = []
     parents = {child: parent for parent in root.modules() for child in parent.children()}
     for call, axes in pending.values():
         module = parents.get(call.module)
         while module is not None and not calls.get(module):
             module = parents.get(module)
         around = calls.get(module, [])
-        if any(id(c) in pending for c in around):
-            continue
         found = {c.batch_axis for c in around}
-        if len(found) == 1 and found <= set(axes):
-            call.batch_axis = found.pop()
+        if any(id(c) in pending for c in around) or len(found) != 1 or not found <= set(axes):
+            undecided.append((call, axes))
+            continue
+        call.batch_axis = found.pop()
+    return undecided
+
+
+def _refuse_contradicted(calls: dict, undecided: list, n: int, root: nn.Module) -> None:
+    """A ValueError for the calls left ``undecided`` (the first input has N entries on several
+    axes, nothing in the step tells which is the batch's: time-major token ids [T, N] with
+    T == N, the embedding's output reaching the RNN through a function, not a module) that
+    keep their inherited axis while another call of the step has the batch on another of
+    those axes (the RNN's axis 1), where their modules have parameters of their own: the
+    per-sample gradients of those would be taken over the wrong axis (the time steps')."""
+    left = {id(call) for call, _ in undecided}
+    decided = {
+        c.batch_axis
+        for cs in calls.values()
+        for c in cs
+        if id(c) not in left and c.carries_batch(n)
+    }
+    params = {id(p): name for name, p in root.named_parameters()}
+    named, contradicted = [], None
+    for call, axes in undecided:
+        others = decided.intersection(axes) - {call.batch_axis}
+        own = [params[id(p)] for p in call.module.parameters(recurse=False) if id(p) in params]
+        if others and own:
+            named += [name for name in own if name not in named]
+            contradicted = contradicted or (call, axes, min(others))
+    if contradicted is not None:
+        call, axes, other = contradicted
+        where = next(name for name, m in root.named_modules() if m is call.module)
+        raise ValueError(
+            f"The per-sample gradients of {', '.join(map(repr, named))} need the batch axis of "
+            f"the input of shape {tuple(call.inputs[0].shape)} of "
+            f"{repr(where) if where else 'the model'}: axes {axes} have the "
+            f"batch size {n}, and the model's modules do not agree on one (some have it on "
+            f"axis {other}, it was taken as axis {call.batch_axis}). Give the model a "
+            "`batch_first` attribute (True: the batch on axis 0 of its inputs, False: on axis 1)."
+        )
 
 
 def _producer_node(call: ModuleCall) -> tuple[object | None, int]:

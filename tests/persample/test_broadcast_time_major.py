@@ -13,6 +13,13 @@ from avionics import Cockpit, configuration
 from avionics.persample.rules.broadcast import SharedParameterRule
 
 
+def sequence_body(body: str, width: int, batch_first: bool) -> nn.Module:
+    """An LSTM ("lstm") or a transformer encoder layer of ``width``, either batch axis."""
+    if body == "lstm":
+        return nn.LSTM(width, width, batch_first=batch_first)
+    return nn.TransformerEncoderLayer(width, 2, 12, dropout=0.0, batch_first=batch_first)
+
+
 class PositionalTokens(nn.Module):
     """Embedding plus a learned position table of the root, then ``body`` (an LSTM or a
     transformer layer, batch_first either way), a head on the mean over time."""
@@ -23,12 +30,7 @@ class PositionalTokens(nn.Module):
         self.embed = nn.Embedding(vocab, width)
         shape = (1, t_max, width) if batch_first else (t_max, 1, width)
         self.pos = nn.Parameter(torch.randn(shape))
-        if body == "lstm":
-            self.body = nn.LSTM(width, width, batch_first=batch_first)
-        else:
-            self.body = nn.TransformerEncoderLayer(
-                width, 2, 12, dropout=0.0, batch_first=batch_first
-            )
+        self.body = sequence_body(body, width, batch_first)
         self.head = nn.Linear(width, classes)
 
     def forward(self, ids):

@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from avionics.persample.precision import LOW_PRECISION, computing
 from avionics.persample.rules.base import Rule, output_gradient
+from avionics.persample.rules.randomness import replayed, state_before
 
 # Modules whose forward vmap could not batch, and vmap's error: the per-sample loop is used.
 _UNBATCHABLE: dict[type, str] = {}
@@ -51,29 +52,33 @@ class GenericRule(Rule):
             t.detach().narrow(axis, start, stop - start) if b else _detach(t)
             for t, b in zip(leaves, batched, strict=True)
         ]
-        deltas, delta_axes = [], []
-        for i in range(len(call.outputs)):
-            d = output_gradient(call, i)
-            a = _batch_axis_of(d, axis, n)
-            deltas.append(d.narrow(a, start, stop - start) * self.output_gradient_factor)
-            delta_axes.append(a)
         params = {
             name: computing(p.detach()) for name, p in zip(self.names, self.params, strict=True)
         }
         module = self.module
         fixed = _in_float32(module, params)
 
-        def sample_gradient(sample_leaves, sample_deltas):
-            def forward(theta):
-                restored = [
-                    t.unsqueeze(axis) if b else t
-                    for t, b in zip(sample_leaves, batched, strict=True)
-                ]
-                args, kwargs = pytree.tree_unflatten(restored, spec)
-                out = functional_call(module, (theta, fixed), args, kwargs, strict=False)
-                return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+        def forward(theta, sample_leaves):
+            restored = [
+                t.unsqueeze(axis) if b else t for t, b in zip(sample_leaves, batched, strict=True)
+            ]
+            args, kwargs = pytree.tree_unflatten(restored, spec)
+            out = functional_call(module, (theta, fixed), args, kwargs, strict=False)
+            return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
 
-            _, pull = vjp(forward, params)
+        if call.output_batch_axes is None:
+            first = [t.select(axis, 0) if b else t for t, b in zip(leaves, batched, strict=True)]
+            with torch.no_grad(), replayed(state_before(call.args)):
+                one = forward(params, first)
+            call.output_batch_axes = _output_batch_axes(call, one, n)
+        delta_axes = call.output_batch_axes
+        deltas = [
+            output_gradient(call, i).narrow(a, start, stop - start) * self.output_gradient_factor
+            for i, a in enumerate(delta_axes)
+        ]
+
+        def sample_gradient(sample_leaves, sample_deltas):
+            _, pull = vjp(lambda theta: forward(theta, sample_leaves), params)
             cotangents = [d.unsqueeze(a) for d, a in zip(sample_deltas, delta_axes, strict=True)]
             (grads,) = pull(cotangents)
             return [grads[name] for name in self.names]
@@ -152,13 +157,30 @@ def _detach(leaf):
     return leaf.detach() if isinstance(leaf, Tensor) else leaf
 
 
-def _batch_axis_of(t: Tensor, preferred: int, n: int) -> int:
-    if t.dim() > preferred and t.shape[preferred] == n:
-        return preferred
-    for axis, size in enumerate(t.shape):
-        if size == n:
-            return axis
-    raise RuntimeError(
-        f"An output of shape {tuple(t.shape)} has no axis with the batch size {n}; "
-        "per-sample gradients need the batch on one axis of every output."
-    )
+def _output_batch_axes(call, one: list[Tensor], n: int) -> list[int]:
+    """The batch axis of each output of ``call``, from ``one``, the module's outputs re-run on
+    one sample (its input's batch axis, as the engine decided it, of size 1): the one axis on
+    which the output of the N samples has N entries and that of the sample 1, all others
+    alike. Not guessed from the sizes: a time-major root maps ids [T, N] to logits [N, C], and
+    with C == N (or T == N) a size alone does not tell the batch axis. With N == 1, any axis
+    of size 1 (the call's batch axis where it is one)."""
+    found = []
+    for meta, t in zip(call.outputs, one, strict=True):
+        full, sample = tuple(meta.shape), tuple(t.shape)
+        axes = [
+            a
+            for a in range(len(full))
+            if len(sample) == len(full)
+            and full[a] == n
+            and sample[a] == 1
+            and full[:a] + full[a + 1 :] == sample[:a] + sample[a + 1 :]
+        ]
+        if len(axes) != 1 and not (n == 1 and axes):
+            raise RuntimeError(
+                f"An output of shape {full} (of one sample re-run alone: {sample}) does not "
+                f"have the batch of {n} samples on exactly one axis (found: {axes}); per-sample "
+                "gradients need the batch on one axis of every output, and each sample's "
+                "output computed from that sample alone."
+            )
+        found.append(call.batch_axis if call.batch_axis in axes else axes[0])
+    return found
