@@ -278,8 +278,9 @@ def main(argv=None) -> None:
         "docstring: economy's is benchmarks/floors.py's hand-written step; business adds "
         "the create-graph backward's extra and the K loss-Hessian-root columns batched to "
         "the parameters (a lower bound), full the HVPs HessMaxEV used. 'none': the floor "
-        "has no kernel for that layer (recurrent weights, attention's packed in-projection, "
-        "parameters used directly in a root forward).",
+        "has no kernel for some layer (parameters used directly in a root forward; "
+        "recurrent layers and attention's packed in-projection have kernels, "
+        "benchmarks/recurrent_floor.py and benchmarks/floors.py).",
         table(header, rows),
         "What the curvature floors are made of, and warm-started Lanczos during training: "
         f"HessMaxEV (SGD) and PreconditionedSharpness (Adam), each alone in a cockpit tracking "
