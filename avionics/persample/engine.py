@@ -267,7 +267,7 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
 
 def _propagated_axes(
     calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]], root: nn.Module
-) -> None:
+) -> list[tuple[ModuleCall, list[int]]]:
     """The batch axis of calls whose first input has N entries on several ``axes``, from the
     calls whose axis is known, until nothing changes: a call whose output is the first input
     of a known call (directly, or packed by ``pack_padded_sequence``, whose ``batch_first``
@@ -298,7 +298,9 @@ def _propagated_axes(
     return _enclosing_axes(calls, pending, root)
 
 
-def _enclosing_axes(calls: dict, pending: dict, root: nn.Module) -> list:
+def _enclosing_axes(
+    calls: dict, pending: dict, root: nn.Module
+) -> list[tuple[ModuleCall, list[int]]]:
     """The batch axis of each call in ``pending`` (id -> (call, its candidate axes)): that of
     the nearest enclosing module of ``root`` with calls, all decided, on one axis among the
     call's candidates; the call keeps its axis where the nearest such module has none. The
