@@ -8,8 +8,16 @@ one vector-Jacobian product of the module alone (its children run inside it with
 parameters held fixed). ``torch.func.vmap`` batches the products over samples, with the
 kernels vmap has batching rules for (math attention; nn.TransformerEncoder's nested-tensor
 fast path off) and a fresh random draw per sample (dropout inside the module draws new
-masks). A module vmap cannot batch takes one product per sample instead: equally exact,
+masks, from a fork of the random state: the user's next draws are those of an untracked
+step). A module vmap cannot batch takes one product per sample instead: equally exact,
 slower. Both paths report their cost through :attr:`GenericRule.on_slow_path`.
+
+The re-runs read the module's buffers as the step left them and write none of them, and a
+BatchNorm inside that normalises with the batch's statistics normalises by those of the
+user's forward (:mod:`avionics.persample.rules.forward_state`). What a re-run finds of a
+call (the outputs' batch axes, those statistics) is found once a step
+(:attr:`ModuleCall.found <avionics.persample.calls.ModuleCall.found>`), also across the
+curvature's columns.
 """
 
 from __future__ import annotations
