@@ -226,3 +226,23 @@ def test_the_one_sample_rerun_runs_once_a_step_whatever_the_columns(monkeypatch,
         warnings.simplefilter("ignore")  # (the curvature's cost)
         _train(model, X, y, Cockpit(model, curvature), steps=3)
     assert found == [model[1]] * 3
+
+
+class MixedFirst(Mixer):
+    """The weight used before the BatchNorm: the statistics depend on it."""
+
+    def forward(self, x):
+        return torch.tanh(self.norm(torch.einsum("nc...,cd->nd...", x, self.mix)))
+
+
+def test_a_weight_used_before_train_mode_batchnorm_inside_is_warned_of():
+    """The re-runs hold the batch's statistics fixed, so the per-sample gradients of a weight
+    the statistics depend on miss that dependence and do not sum to the batch gradient: the
+    engine's check reroutes it and says so (forward_state's docstring)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), MixedFirst(3, nn.BatchNorm1d(3)), nn.Linear(3, 3))
+    model = model.double().train()
+    X, y = _data()
+    with pytest.warns(UserWarning, match="1.mix do not sum to the batch gradient"):
+        engine, _, _, params = models.captured_engine_step(model, X, y, _loss_fn)
+    assert [engine.rerouted(k) for k in range(len(params))] == [p is model[1].mix for p in params]
