@@ -13,6 +13,21 @@ from torch import Tensor, nn
 from torch.nn.utils.rnn import PackedSequence
 
 
+class ForwardFacts:
+    """What the generic rule's re-runs found of a call's forward, found once a step: the batch
+    axis of each output (:attr:`output_batch_axes`, None until found) and the statistics of
+    the BatchNorms inside that normalise with the batch's
+    (:class:`~avionics.persample.rules.forward_state.BatchStatistics`, None until recorded).
+    One object is shared by the call and its copies for other backpropagated columns
+    (:meth:`ModuleCall.with_grad_outputs`), so that the columns find nothing again."""
+
+    __slots__ = ("output_batch_axes", "batch_statistics")
+
+    def __init__(self):
+        self.output_batch_axes: list[int] | None = None
+        self.batch_statistics = None
+
+
 class Shape:
     """What is kept of an output once its gradient is hooked: shape, dtype, device."""
 
@@ -64,9 +79,9 @@ class ModuleCall:
     # arange(T) with T == N, broadcast into the batch with axes put in front of it: see
     # avionics.persample.rules.broadcast.hook_shared_outputs)
     shared: bool = False
-    # per output: its batch axis, found by the generic rule's re-run of the module on one
-    # sample (avionics.persample.rules.generic), or None before that rule has run
-    output_batch_axes: list[int] | None = None
+    # what the generic rule's re-runs found of the forward (avionics.persample.rules.generic),
+    # shared by the call's copies for other columns
+    found: ForwardFacts = field(default_factory=ForwardFacts)
 
     def __post_init__(self):
         self.grad_outputs = [None] * len(self.outputs)

@@ -311,7 +311,7 @@ def test_a_module_the_engine_cannot_handle_is_named():
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.ones(3))
-            self.register_buffer("calls", torch.zeros(()))
+            self.calls = torch.zeros(())  # a plain attribute: not a buffer the re-runs copy
 
         def forward(self, x):
             self.calls.add_(1)  # state mutated in forward: no functional transform can replay it

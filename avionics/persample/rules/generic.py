@@ -8,8 +8,16 @@ one vector-Jacobian product of the module alone (its children run inside it with
 parameters held fixed). ``torch.func.vmap`` batches the products over samples, with the
 kernels vmap has batching rules for (math attention; nn.TransformerEncoder's nested-tensor
 fast path off) and a fresh random draw per sample (dropout inside the module draws new
-masks). A module vmap cannot batch takes one product per sample instead: equally exact,
+masks, from a fork of the random state: the user's next draws are those of an untracked
+step). A module vmap cannot batch takes one product per sample instead: equally exact,
 slower. Both paths report their cost through :attr:`GenericRule.on_slow_path`.
+
+The re-runs read the module's buffers as the step left them and write none of them, and a
+BatchNorm inside that normalises with the batch's statistics normalises by those of the
+user's forward (:mod:`avionics.persample.rules.forward_state`). What a re-run finds of a
+call (the outputs' batch axes, those statistics) is found once a step
+(:attr:`ModuleCall.found <avionics.persample.calls.ModuleCall.found>`), also across the
+curvature's columns.
 """
 
 from __future__ import annotations
@@ -20,12 +28,13 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor, nn
-from torch.func import functional_call, vjp, vmap
+from torch.func import vjp, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import _pytree as pytree
 
 from avionics.persample.precision import LOW_PRECISION, computing
 from avionics.persample.rules.base import Rule, output_gradient
+from avionics.persample.rules.forward_state import BatchStatistics, rerun
 from avionics.persample.rules.randomness import replayed, state_before
 
 # Modules whose forward vmap could not batch, and vmap's error: the per-sample loop is used.
@@ -45,33 +54,42 @@ class GenericRule(Rule):
         return totals
 
     def _call_gradients(self, call, start: int, stop: int) -> list[Tensor]:
+        # (the re-runs draw from a fork of the random state: the user's next draws unchanged)
+        with replayed(state_before(call.args)):
+            return self._call_gradients_drawing(call, start, stop)
+
+    def _call_gradients_drawing(self, call, start: int, stop: int) -> list[Tensor]:
         axis, n = call.batch_axis, self.n
         leaves, spec = pytree.tree_flatten((call.args, call.kwargs))
         batched = [isinstance(t, Tensor) and t.dim() > axis and t.shape[axis] == n for t in leaves]
-        leaves = [
-            t.detach().narrow(axis, start, stop - start) if b else _detach(t)
-            for t, b in zip(leaves, batched, strict=True)
-        ]
         params = {
             name: computing(p.detach()) for name, p in zip(self.names, self.params, strict=True)
         }
         module = self.module
         fixed = _in_float32(module, params)
+        found = call.found
+        if found.batch_statistics is None:
+            found.batch_statistics = _batch_statistics(module, (params, fixed), call)
+        statistics = found.batch_statistics
+        leaves = [
+            t.detach().narrow(axis, start, stop - start) if b else _detach(t)
+            for t, b in zip(leaves, batched, strict=True)
+        ]
 
         def forward(theta, sample_leaves):
             restored = [
                 t.unsqueeze(axis) if b else t for t, b in zip(sample_leaves, batched, strict=True)
             ]
             args, kwargs = pytree.tree_unflatten(restored, spec)
-            out = functional_call(module, (theta, fixed), args, kwargs, strict=False)
+            out = rerun(module, (theta, fixed), args, kwargs, statistics)
             return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
 
-        if call.output_batch_axes is None:
+        if found.output_batch_axes is None:
             first = [t.select(axis, 0) if b else t for t, b in zip(leaves, batched, strict=True)]
-            with torch.no_grad(), replayed(state_before(call.args)):
+            with torch.no_grad():
                 one = forward(params, first)
-            call.output_batch_axes = _output_batch_axes(call, one, n)
-        delta_axes = call.output_batch_axes
+            found.output_batch_axes = _output_batch_axes(call, one, n)
+        delta_axes = found.output_batch_axes
         deltas = [
             output_gradient(call, i).narrow(a, start, stop - start) * self.output_gradient_factor
             for i, a in enumerate(delta_axes)
@@ -151,6 +169,17 @@ def _in_float32(module: nn.Module, tracked: dict[str, Tensor]) -> dict[str, Tens
         for name, t in named
         if name not in tracked and t.dtype in LOW_PRECISION
     }
+
+
+def _batch_statistics(module: nn.Module, state: tuple, call) -> BatchStatistics:
+    """The statistics of the batch-statistics BatchNorms inside ``module`` in ``call``'s
+    forward, by one re-run on the whole batch (none where it has no such BatchNorm)."""
+    statistics = BatchStatistics(module)
+    if statistics.norms:
+        args, kwargs = pytree.tree_map(_detach, (call.args, call.kwargs))
+        with torch.no_grad(), statistics.recording():
+            rerun(module, state, args, kwargs, statistics)
+    return statistics
 
 
 def _detach(leaf):
