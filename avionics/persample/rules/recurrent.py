@@ -124,7 +124,7 @@ class ReRun:
         self.valid = valid
         kernel = by_kernel(module, x)
         # the kernel's re-run: its graph, from the outputs back to a of every layer and
-        # direction (the taps, [T, N, G H]); the stepped one's: each layer and direction's
+        # direction (the taps, [T, N, G H]); the linearised one's: each layer and direction's
         # steps linearised, and W_ih
         self.results: list[Tensor] = []
         self.taps: list[Tensor] = []
