@@ -153,8 +153,8 @@ def test_time_major_tokens_with_as_many_steps_as_samples(kind, packed, n):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_an_lstm_re_run_step_by_step_as_off_the_cpu(packed, monkeypatch):
-    """Off the CPU an LSTM's re-run is the loop of torch ops (PyTorch's kernel is taken on
-    the CPU only): that path, forced here, is exact too."""
+    """Off the CPU an LSTM's re-run takes the linearised backward (autograd's through the
+    fused kernel on the CPU only): that path, forced here, is exact too."""
     monkeypatch.setattr(recurrent, "by_kernel", lambda module, x: False)
     torch.manual_seed(5)
     model = Stacked(nn.LSTM, packed).double()

@@ -13,15 +13,17 @@ RNN docs; a GRU's candidate gate uses r_t * c_t). So for sample n
 the bilinear forms of :mod:`avionics.persample.rules.bilinear` (T shared positions). The
 gradients da, dc are one vector-Jacobian product of the recurrence re-run on the captured
 input, initial state and output gradients, batched over the samples (no per-sample loop)
-(:class:`ReRun`): an LSTM on the CPU by PyTorch's fused kernel fed a through identity input
-weights and autograd, else a loop of torch ops over the time steps and the backward of its
-linearised steps (:class:`_Linearised`). For a PackedSequence each sample's steps beyond its
+(:class:`ReRun`): PyTorch's kernel fed a through identity input weights, then for an LSTM on
+the CPU (fused kernel) autograd's backward, else the backward of its linearised steps
+(:class:`_Linearised`). For a PackedSequence each sample's steps beyond its
 length leave its state unchanged, which is what the packed kernel computes.
 The GGN diagonal's columns go back through one re-run a group at a time
 (:class:`RecurrentColumnSums`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import _VF, Tensor, nn
@@ -86,14 +88,16 @@ class RecurrentRule(FactoredWeights, Rule):
 class ReRun:
     """One call's recurrence re-run on its captured input and initial state, batched over the
     samples; the gradients of K columns at once by ``copies = K`` copies of the batch (sample
-    n of copy j at n + j N). Two ways, by :func:`by_kernel`:
+    n of copy j at n + j N). Each layer runs PyTorch's kernel (``torch._VF``) fed
+    a = W_ih x + b_ih through identity input weights; the backward two ways, by
+    :func:`by_kernel`:
 
-    * PyTorch's kernel (``torch._VF``: the fused LSTM kernel on the CPU, whose backward is one
-      node), fed a = W_ih x + b_ih through identity input weights, its graph kept, so that
-      the gradient at its input is da (one ``autograd.grad``);
-    * else a loop of torch ops over the steps without a graph, each layer and direction's
-      steps linearised (:class:`_Linearised`), whose backward is one batched product per step
-      (autograd's backward of the loop took a dozen nodes per step).
+    * autograd (the fused LSTM kernel on the CPU, whose backward is one node): the kernel's
+      graph kept, so that the gradient at its input is da (one ``autograd.grad``);
+    * else the kernel without a graph (its forward a C++ loop over the steps, not a Python
+      one), each layer and direction's steps linearised (:class:`_Linearised`), whose backward
+      is one batched product per step (autograd's backward of the loop took a dozen nodes per
+      step).
 
     For the W_hh factors, h_{t-1} of every step is read off the layer's output (h0 where the
     step is a sample's first in its direction), and dc = da for an LSTM and an RNN (their
@@ -119,9 +123,8 @@ class ReRun:
             valid = torch.arange(self.steps, device=x.device)[:, None] < lengths.to(x.device)
         self.valid = valid
         kernel = by_kernel(module, x)
-        layer_of = self._kernel if kernel else self._stepped
         # the kernel's re-run: its graph, from the outputs back to a of every layer and
-        # direction (the taps, [T, N, G H]); the stepped one's: each layer and direction's
+        # direction (the taps, [T, N, G H]); the linearised one's: each layer and direction's
         # steps linearised, and W_ih
         self.results: list[Tensor] = []
         self.taps: list[Tensor] = []
@@ -137,8 +140,9 @@ class ReRun:
                 weights = [_weights(module, _suffix(layer, d)) for d in range(directions)]
                 a = [F.linear(layer_input, w_ih, b_ih) for w_ih, _, b_ih, _ in weights]
                 a = [_tap(t) for t in a] if kernel else a
-                state = (h0[ks], None if c0 is None else c0[ks])
-                out, h_n, c_n = layer_of(a, [(w, b) for _, w, _, b in weights], state)
+                rows = slice(ks[0], ks[-1] + 1)
+                state = (h0[rows], None if c0 is None else c0[rows])
+                out, h_n, c_n = self._kernel(a, [(w, b) for _, w, _, b in weights], state)
                 finals.append(h_n)
                 final_cells.append(c_n)
                 for d, k in enumerate(ks):
@@ -163,29 +167,6 @@ class ReRun:
                 if module.mode == "LSTM":
                     self.results.append(torch.cat(final_cells))
 
-    def _stepped(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
-        """One layer step by step from torch ops (each direction): its output [T, N, D H]
-        (its final states are not needed: :class:`_Linearised` takes the gradients)."""
-        mode, (h0, c0) = self.module.mode, state
-        lstm = mode == "LSTM"
-        outs = []
-        for d, (a_d, (w_hh, b_hh)) in enumerate(zip(a, recurrent, strict=True)):
-            h, cell, out = h0[d], c0[d] if lstm else None, [None] * self.steps
-            for t in range(self.steps - 1, -1, -1) if d else range(self.steps):
-                c = F.linear(h, w_hh, b_hh)
-                if mode == "GRU":
-                    new, new_cell = _gru_cell(a_d[t], c, h), None
-                else:
-                    new, new_cell = _fused_cell(mode, a_d[t] + c, cell)
-                if self.valid is not None:
-                    new = torch.where(self.valid[t, :, None], new, h)
-                    if lstm:
-                        new_cell = torch.where(self.valid[t, :, None], new_cell, cell)
-                h, cell = new, new_cell
-                out[t] = h
-            outs.append(torch.stack(out))
-        return torch.cat(outs, -1), None, None
-
     def _kernel(self, a: list[Tensor], recurrent: list[tuple[Tensor, Tensor | None]], state):
         """One layer (both directions) by PyTorch's kernel on input cat(a): (output
         [T, N, D H] padded, h_n [D, N, H], c_n or None), in the batch's order."""
@@ -194,10 +175,8 @@ class ReRun:
         directions = len(a)
         params = []
         for d, (w_hh, b_hh) in enumerate(recurrent):
-            # identity input weights on this direction's block of the input
-            w_ih = a[0].new_zeros(width, directions * width)
-            w_ih[:, d * width : (d + 1) * width] = torch.eye(width, dtype=w_ih.dtype)
-            params += [w_ih, w_hh, a[0].new_zeros(width), _bias_or_zeros(b_hh, width, a[0])]
+            w_ih, zero = _identity_input(width, directions, d, a[0])
+            params += [w_ih, w_hh, zero, zero if b_hh is None else b_hh]
         inp = a[0] if directions == 1 else torch.cat(a, -1)
         kernel = _KERNELS[module.mode]
         bidirectional = directions == 2
@@ -268,8 +247,8 @@ class ReRun:
 
 
 def by_kernel(module: nn.RNNBase, x: Tensor) -> bool:
-    """Whether the re-run takes PyTorch's kernel and autograd (else the loop of torch ops and
-    its linearised backward): for an LSTM on the CPU, where the kernel is fused (forward and
+    """Whether the re-run's backward is autograd's through PyTorch's kernel (else its
+    linearised backward): for an LSTM on the CPU, where the kernel is fused (forward and
     backward 1.0-1.5 ms on the LSTM LM, the linearised loop 1.6 ms, measured). A GRU's or an
     RNN's CPU kernel is autograd's loop of torch ops; on a GPU cuDNN wants its weights in one
     flat buffer, and was not measured."""
@@ -283,8 +262,18 @@ def _suffix(layer: int, direction: int) -> str:
     return f"_l{layer}" + ("_reverse" if direction else "")
 
 
-def _bias_or_zeros(b: Tensor | None, width: int, like: Tensor) -> Tensor:
-    return like.new_zeros(width) if b is None else b
+@functools.lru_cache(maxsize=64)
+def _identity_block(width: int, directions: int, direction: int, dtype, device):
+    weight = torch.zeros(width, directions * width, dtype=dtype, device=device)
+    weight[:, direction * width : (direction + 1) * width] = torch.eye(width, dtype=dtype)
+    return weight, torch.zeros(width, dtype=dtype, device=device)
+
+
+def _identity_input(width: int, directions: int, direction: int, like: Tensor):
+    """(W, 0): input weights [width, directions * width] that pass direction ``direction``'s
+    block of the kernel's input through, and a zero bias, in ``like``'s dtype and device
+    (kept: they depend on the shapes only, and the kernel only reads them)."""
+    return _identity_block(width, directions, direction, like.dtype, like.device)
 
 
 def _previous(out: Tensor, h0: Tensor, direction: int, valid: Tensor | None) -> Tensor:
@@ -435,24 +424,6 @@ def _weight_squares(x: Tensor, delta: Tensor) -> Tensor:
         s = g.square_().sum(0).unflatten(0, (k, o)).sum(0)
         total = s if total is None else total.add_(s)
     return total
-
-
-def _gru_cell(a: Tensor, c: Tensor, h: Tensor) -> Tensor:
-    """One step of PyTorch's GRU (torch.nn.GRU docs) from the state h, a = W_ih x + b_ih and
-    c = W_hh h + b_hh: h' (the reset and update gates in one sigmoid)."""
-    hidden = h.shape[-1]
-    r, z = torch.sigmoid(a[..., : 2 * hidden] + c[..., : 2 * hidden]).chunk(2, -1)
-    return torch.lerp(torch.tanh(a[..., 2 * hidden :] + r * c[..., 2 * hidden :]), h, z)
-
-
-def _fused_cell(mode: str, gates: Tensor, cell: Tensor | None):
-    """One step of PyTorch's LSTM or RNN (torch.nn.LSTM / RNN docs) from gates = a + c and the
-    cell (LSTM): (h', cell')."""
-    if mode == "LSTM":
-        i, f, g, o = gates.chunk(4, -1)
-        new_cell = torch.addcmul(torch.sigmoid(f) * cell, torch.sigmoid(i), torch.tanh(g))
-        return torch.sigmoid(o) * torch.tanh(new_cell), new_cell
-    return (torch.tanh if mode == "RNN_TANH" else torch.relu)(gates), None
 
 
 class _Linearised:
