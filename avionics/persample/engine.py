@@ -30,13 +30,10 @@ from torch.nn.utils.rnn import PackedSequence
 
 from avionics.persample.calls import ModuleCall
 from avionics.persample.capture import Capture, at_least_float32, batch_axes
+from avionics.persample.graph_axes import traced_axes
 from avionics.persample.precision import computing, computing_dtype
 from avionics.persample.routing import Routing
-from avionics.persample.rules.broadcast import (
-    ELEMENTWISE,
-    check_shared_parameters,
-    parameter_owners,
-)
+from avionics.persample.rules.broadcast import check_shared_parameters, parameter_owners
 from avionics.persample.step import CapturedStep
 
 # Elements of one slice of the gradient check's differences (1 MiB in float32).
@@ -269,10 +266,12 @@ def _propagated_axes(
     calls: dict, ambiguous: list[tuple[ModuleCall, list[int]]], root: nn.Module
 ) -> list[tuple[ModuleCall, list[int]]]:
     """The batch axis of calls whose first input has N entries on several ``axes``, from the
-    calls whose axis is known, until nothing changes: a call whose output is the first input
-    of a known call (directly, or packed by ``pack_padded_sequence``, whose ``batch_first``
-    autograd keeps) and whose output keeps its input's leading axes takes that input's axis
-    (an nn.Embedding of time-major token ids before a batch_first=False RNN); a call whose
+    calls whose axis is known, until nothing changes: a call whose output the first input of
+    a known call is computed from (directly, through operations that only move axes, such as
+    x.transpose(0, 1), :func:`~avionics.persample.graph_axes.traced_axes`, or packed by
+    ``pack_padded_sequence``, whose ``batch_first`` autograd keeps) and whose output keeps its
+    input's leading axes takes the axis that walk finds (an nn.Embedding of token ids [N, N]
+    transposed into a batch_first=False RNN); a call whose
     first input is a known call's first input takes its axis (the root and that embedding).
     A call left undecided takes the axis of the nearest enclosing module of ``root`` whose
     calls are all decided (:func:`_enclosing_axes`: the Linear layers of an
@@ -285,11 +284,12 @@ def _propagated_axes(
         found = []
         for reader in known:
             into, axis = _producer_node(reader)
+            traced = {} if into is None else traced_axes(into, axis)
             for key, (call, axes) in list(pending.items()):
                 same_input = call.inputs[0] is reader.inputs[0]
                 if same_input and reader.batch_axis in axes:
                     call.batch_axis = reader.batch_axis
-                elif into is not None and axis in axes and _keeps_leading_axes(call, into, axis):
+                elif (axis := _traced_axis(call, traced)) is not None and axis in axes:
                     call.batch_axis = axis
                 else:
                     continue
@@ -358,44 +358,36 @@ def _refuse_contradicted(calls: dict, undecided: list, n: int, root: nn.Module) 
 
 
 def _producer_node(call: ModuleCall) -> tuple[object | None, int]:
-    """(the autograd node that produced the call's first input, the batch axis of that
-    node's output): through ``pack_padded_sequence`` (and its sorting ``index_select``) for a
-    PackedSequence."""
+    """(the autograd edge (node, output index) of the call's first input, or None, and the
+    batch axis of that tensor): through ``pack_padded_sequence`` (and its sorting
+    ``index_select``) for a PackedSequence."""
     first = call.args[0] if call.args else None
     if isinstance(first, PackedSequence):
         node = first.data.grad_fn
         if node is None or type(node).__name__ != "PackPaddedSequenceBackward0":
             return None, 0
         axis = 0 if node._saved_batch_first else 1
-        node = node.next_functions[0][0]
-        if node is not None and type(node).__name__ == "IndexSelectBackward0":
-            node = node.next_functions[0][0]
-        return node, axis
-    grad_fn = call.inputs[0].grad_fn
-    return grad_fn, call.batch_axis
+        edge = node.next_functions[0]
+        if edge[0] is not None and type(edge[0]).__name__ == "IndexSelectBackward0":
+            edge = edge[0].next_functions[0]
+        return (edge if edge[0] is not None else None), axis
+    first = call.inputs[0]
+    return (
+        (first.grad_fn, first.output_nr) if first.grad_fn is not None else None
+    ), call.batch_axis
 
 
-def _keeps_leading_axes(call: ModuleCall, node, axis: int) -> bool:
-    """Whether ``node`` produced an output of ``call`` that has the call's first input's
-    sizes on axes 0..``axis`` (an embedding, a Linear or an elementwise module), or added a
-    tensor broadcast to that output's shape (a position table: embed(ids) + pos[:T])."""
+def _traced_axis(call: ModuleCall, traced: dict) -> int | None:
+    """The batch axis ``traced`` (:func:`~avionics.persample.graph_axes.traced_axes`) finds
+    on an output of ``call`` that has the call's first input's sizes on its axes 0..axis (an
+    embedding, a Linear or an elementwise module: the input has the batch there too), or
+    None."""
     shape = call.inputs[0].shape
     for produced, i in zip(call.nodes, call.node_outputs, strict=True):
+        if isinstance(produced, Tensor):
+            continue
+        axis = traced.get((id(produced[0]), produced[1]))
         out = call.outputs[i].shape
-        ours = not isinstance(produced, Tensor) and (
-            produced[0] is node or _elementwise_of(node, produced[0], out)
-        )
-        if ours and len(out) > axis and out[: axis + 1] == shape[: axis + 1]:
-            return True
-    return False
-
-
-def _elementwise_of(node, produced, shape) -> bool:
-    """Whether ``node`` is an elementwise operation (h = e + v) of the output of ``produced``
-    whose result keeps that output's ``shape`` (v broadcast to it)."""
-    return (
-        node is not None
-        and node.name() in ELEMENTWISE
-        and tuple(node._input_metadata[0].shape) == tuple(shape)
-        and any(child is produced for child, _ in node.next_functions)
-    )
+        if axis is not None and len(out) > axis and out[: axis + 1] == shape[: axis + 1]:
+            return axis
+    return None

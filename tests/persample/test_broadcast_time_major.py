@@ -100,17 +100,16 @@ class ScaledTokens(nn.Module):
 
 
 @pytest.mark.parametrize("n", [3, 4])
-def test_a_scale_of_time_major_tokens_is_refused_naming_it_until_the_batch_axis_is_given(n):
+def test_a_scale_of_time_major_tokens_is_exact_without_a_batch_first_attribute(n):
     """The scale's per-sample map is taken in the backward, before the batch size is known:
-    of its broadcast axes 0 and 1 it takes the root's, 0, while the batch is on axis 1 (the
-    LSTM's; the head has it on 0). The engine refuses, naming the parameter and the remedy,
-    rather than give wrong numbers; with the remedy (``model.batch_first = False``) it is
-    exact, also where T == N."""
+    of its broadcast axes 0 and 1 it took the root's, 0, while the batch is on axis 1, and the
+    engine refused. The product's output is the LSTM's input, whose batch axis its
+    ``batch_first=False`` declares: read off the graph, axis 1, exact also where T == N,
+    with or without the model's own ``batch_first``."""
     torch.manual_seed(2)
     model = ScaledTokens().double()
     ids, y = torch.randint(0, 11, (4, n)), torch.randint(0, 3, (n,))
-    with pytest.raises(ValueError, match=r"'scale'.*batch_first"):
-        models.captured_engine_step(model, ids, y, _losses)
+    assert_exact(model, ids, y, _losses)
     model.batch_first = False
     assert_exact(model, ids, y, _losses)
 

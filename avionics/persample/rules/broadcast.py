@@ -27,6 +27,8 @@ re-run under vmap).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge
@@ -96,8 +98,9 @@ def hook_shared_outputs(root, calls, owners=None) -> list[RemovableHandle]:
             call.broadcast_grad_outputs = [None] * len(call.outputs)
             for node, scale in uses:
                 handles.append(node.register_prehook(_accumulator(call, i, scale)))
+    declared = functools.cache(lambda: _declared_axes(forward))  # (walked where asked)
     for leaf in leaves:
-        uses = _parameter_uses(leaf, consumers, axis) or ()
+        uses = _parameter_uses(leaf, consumers, axis, declared) or ()
         if uses:
             last.shared_parameter_axes[id(leaf.variable)] = [axes for _, _, axes in uses]
         for node, per_sample, _ in uses:
@@ -183,7 +186,22 @@ def _consumers(roots, direct: dict) -> tuple[dict, list]:
     return consumers, leaves
 
 
-def _parameter_uses(leaf, consumers, preferred: int) -> list[tuple] | None:
+def _declared_axes(forward) -> dict:
+    """:func:`~avionics.persample.graph_axes.traced_axes` from the first input of every call
+    of ``forward`` whose module has a ``batch_first`` attribute (its axis is declared)."""
+    from avionics.persample.graph_axes import traced_axes
+
+    found: dict = {}
+    for call in forward:
+        first = call.inputs[0] if call.inputs else None
+        declared = isinstance(getattr(call.module, "batch_first", None), bool)
+        if declared and first is not None and first.grad_fn is not None:
+            for key, a in traced_axes((first.grad_fn, first.output_nr), call.batch_axis).items():
+                found[key] = a if found.get(key, a) == a else None
+    return found
+
+
+def _parameter_uses(leaf, consumers, preferred: int, declared=None) -> list[tuple] | None:
     """(broadcasting node, dh -> the parameter's per-sample gradients, :class:`UseAxes`) for
     each use of the parameter of ``leaf`` (:func:`_uses`, :func:`_per_sample`), the batch on
     the axis of dh that :func:`_use_batch_axes` finds; None where one has no closed form, no
@@ -193,7 +211,7 @@ def _parameter_uses(leaf, consumers, preferred: int) -> list[tuple] | None:
         return None
     found = []
     for node, scale, views, shape in uses:
-        axes = _use_batch_axes(node, shape, preferred)
+        axes = _use_batch_axes(node, shape, preferred, declared)
         if axes is None:
             return None
         axis, n = axes.axis, axes.sizes[axes.axis]
@@ -209,21 +227,27 @@ class UseAxes:
     parameter every sample shares has the batch on one of them), and ``axis``, the one its
     per-sample map reduces over (checked against the batch size by :func:`check_use_axes`)."""
 
-    def __init__(self, sizes: tuple, candidates: list[int], axis: int):
+    def __init__(self, sizes: tuple, candidates: list[int], axis: int, traced: bool = False):
         self.sizes, self.candidates, self.axis = sizes, candidates, axis
+        self.traced = traced  # whether ``axis`` was read off the graph (:func:`_declared_axes`)
 
 
-def _use_batch_axes(node, shape, preferred: int) -> UseAxes | None:
+def _use_batch_axes(node, shape, preferred: int, declared=None) -> UseAxes | None:
     """:class:`UseAxes` of the operand of ``shape`` at ``node``: the axes of the node's output
     where the operand, aligned to the right as broadcasting does, is missing or of size 1
     (pos[:T] of [T, 1, W] added to time-major [T, N, W]: axis 1 alone, whatever N and T).
-    The batch axis is the one candidate, else ``preferred`` (the root's) where it is one; None
-    where neither (no closed form: the generic rule)."""
+    The batch axis is the one candidate, else the one a walk back through the graph from a
+    module with a ``batch_first`` attribute finds on the node's output (``declared()``: the
+    scale of time-major [T, N, W] read by a batch_first=False LSTM), else ``preferred`` (the
+    root's) where it is one; None where none (no closed form: the generic rule)."""
     sizes = tuple(node._input_metadata[0].shape)
     offset = len(sizes) - len(shape)
     candidates = [a for a in range(len(sizes)) if a < offset or shape[a - offset] == 1]
     if len(candidates) == 1:
         return UseAxes(sizes, candidates, candidates[0])
+    traced = None if declared is None else declared().get((id(node), 0))
+    if traced in candidates:
+        return UseAxes(sizes, candidates, traced, traced=True)
     if preferred in candidates:
         return UseAxes(sizes, candidates, preferred)
     return None
@@ -261,7 +285,7 @@ def check_use_axes(uses: list[UseAxes], n: int, known: int | None, name: str) ->
         sized = [a for a in use.candidates if use.sizes[a] == n]
         if not sized:
             return False
-        if use.axis != known and (use.axis not in sized or len(sized) > 1):
+        if use.axis != known and (use.axis not in sized or (len(sized) > 1 and not use.traced)):
             raise ValueError(
                 f"The per-sample gradients of the parameter {name!r} need the batch axis of "
                 f"the tensor of shape {tuple(use.sizes)} it is broadcast into along axes "
