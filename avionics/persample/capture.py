@@ -25,7 +25,7 @@ from torch.autograd.graph import GradientEdge
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
-from avionics.persample.calls import ModuleCall, Shape
+from avionics.persample.calls import ModuleCall, Shape, detached
 from avionics.persample.precision import LOW_PRECISION
 from avionics.persample.request import Request
 from avionics.persample.rules.attention import inside
@@ -321,7 +321,7 @@ def _call(module, args, kwargs, output, axis: int, rng_state, found_inside) -> M
 def _storer(call: ModuleCall, index: int):
     def store(grad: Tensor | None) -> None:
         if grad is not None:
-            call.grad_outputs[index] = grad.detach()
+            call.grad_outputs[index] = detached(grad)
 
     return store
 

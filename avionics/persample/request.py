@@ -127,7 +127,7 @@ class Accumulator:
         self.sum_sq: Tensor | None = None
 
     def add(self, chunk: Tensor) -> None:
-        flat = chunk.reshape(chunk.shape[0], -1)
+        flat = chunk if chunk.dim() == 2 else chunk.reshape(chunk.shape[0], -1)
         if self.request.sq_norms:
             self.sq_norms.append(torch.linalg.vector_norm(flat, dim=1).square())
         for name, v in self.directions.items():

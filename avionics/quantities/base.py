@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from avionics.distributed import SINGLE, World, sum_over_processes
 from avionics.persample import CapturedStep, Request, Statistics
+from avionics.persample.calls import detached
 from avionics.records.outputs import SCALAR, Output
 from avionics.schedules import Schedule, describe, linear
 
@@ -231,7 +232,9 @@ class StepData:
         model-sized copy, not one per quantity. Nobody may modify it in place.
         """
         if self.cache.params_copy is None:
-            self.cache.params_copy = [p.detach().clone() for p in self.params]
+            # (the values are detached already on every path but under autograd's watch:
+            # then a clone is one operation a parameter, not two)
+            self.cache.params_copy = [detached(p).clone() for p in self.params]
         return self.cache.params_copy
 
 

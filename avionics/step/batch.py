@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from avionics.distributed import World
+from avionics.persample.calls import detached
 from avionics.step.precision import (
     all_finite,
     detached_losses,
@@ -77,7 +78,7 @@ def one_batch(part: Part, params: list, graph: bool, several: bool) -> Combined:
     # each parameter (DDP's average is in p.grad)
     raw = part.gradients
     if raw is None or not several:
-        raw = [local(p.grad).detach() if p.grad is not None else None for p in params]
+        raw = [detached(local(p.grad)) if p.grad is not None else None for p in params]
     c, loss_finite, gradients_finite, norms = read_after_backward(part, raw, several)
     gradients = [unscaled(g, c) for g in raw]
     # (the engine casts captured 16-bit tensors to float32 itself, with the check's rtol)

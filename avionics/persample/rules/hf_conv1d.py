@@ -21,6 +21,7 @@ import sys
 import torch
 from torch import Tensor, nn
 
+from avionics.persample.rules.bilinear import position_sums
 from avionics.persample.rules.linear import LinearColumnSums, LinearRule
 
 # where transformers defines the layer
@@ -52,7 +53,7 @@ class HFConv1DRule(LinearRule):
 
     def _bias(self) -> Tensor:
         """sum_t delta_t: the output gradients are ``self.x`` after the exchange."""
-        bias = self.x.sum(2).flatten(1)
+        bias = position_sums(self.x)
         return bias if self.delta_scale == 1 else bias * self.delta_scale
 
     @staticmethod
