@@ -75,13 +75,24 @@ def _kappa(loss_fn: nn.Module, num_terms: int) -> float:
 
 
 def output_hessian_product(loss_fn: nn.Module, output: Tensor, y: Tensor) -> OutputProduct:
-    """The map u -> (d2 L / df2) u at the batch output ``output`` (u has the output's shape)."""
+    """The map u -> (d2 L / df2) u at the batch output ``output`` (u has the output's shape;
+    for the closed forms, those of ``differentiable_output_gradient``'s losses, u may have
+    column axes after it, ``[*f, K]``)."""
     output = output.detach()
+
+    def columns(x: Tensor, u: Tensor) -> Tensor:  # x [*f] against u [*f, ...]
+        return x.view(*x.shape, *(1,) * (u.ndim - x.ndim))
+
     if _is_plain_cross_entropy(loss_fn, y):
         # d2 L / df2 = kappa * (diag(p) - p p^T) on the class axis (axis 1), p = softmax(f).
         kappa = _kappa(loss_fn, y.numel())
         p = output.softmax(dim=1)
-        return lambda u: kappa * (p * u - p * (p * u).sum(dim=1, keepdim=True))
+
+        def cross_entropy_product(u: Tensor) -> Tensor:
+            pu = columns(p, u) * u
+            return kappa * (pu - columns(p, u) * pu.sum(dim=1, keepdim=True))
+
+        return cross_entropy_product
     if isinstance(loss_fn, nn.MSELoss):
         kappa = 2.0 * _kappa(loss_fn, output.numel())  # d2 (f - y)^2 / df2 = 2
         return lambda u: kappa * u
@@ -89,7 +100,7 @@ def output_hessian_product(loss_fn: nn.Module, output: Tensor, y: Tensor) -> Out
         kappa = _kappa(loss_fn, output.numel())
         sigma = output.sigmoid()
         curvature = kappa * sigma * (1 - sigma)
-        return lambda u: curvature * u
+        return lambda u: columns(curvature, u) * u
     # Any other loss: reverse-over-reverse through d L / df, the first backward shared.
     _, hessian_product = vjp(grad(lambda f: loss_fn(f, y)), output)
     return lambda u: hessian_product(u)[0]

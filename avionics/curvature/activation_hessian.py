@@ -8,7 +8,7 @@ the forward where that is exact, which a capture, which only observes, never doe
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -21,7 +21,8 @@ from avionics.curvature._data import (
     forward_keeping_buffers,
 )
 from avionics.curvature._distributed import refuse_distributed
-from avionics.curvature._losses import differentiable_output_gradient
+from avionics.curvature._layer_rules import is_covered, layer_rule
+from avionics.curvature._losses import differentiable_output_gradient, output_hessian_product
 from avionics.curvature.base import CurvatureLinearOperator
 from avionics.distributed import unwrap
 
@@ -56,6 +57,62 @@ def _check_activation(activation, module_names: list[str]) -> tuple[str, str, in
     return module_name, io, index
 
 
+def _layers_after(model: nn.Module, module: nn.Module, io: str) -> list[nn.Module] | None:
+    """The modules applied to Z, in order, where ``model`` is a plain nn.Sequential (no hooks)
+    and Z is its own input or output or that of one of its children (called once); else None."""
+    if type(model) is not nn.Sequential or model._forward_hooks or model._forward_pre_hooks:
+        return None
+    children = list(model)
+    if module is model:
+        return children if io == "input" else []
+    positions = [i for i, child in enumerate(children) if child is module]
+    if len(positions) != 1:
+        return None
+    return children[positions[0] + (io == "output") :]
+
+
+def _columns_last_hessian(layers, Z: Tensor, output, loss_fn, y) -> Callable | None:
+    """V [*Z, K] -> (d2 L / dZ2) V [*Z, K] by the rules of :mod:`._layer_rules`, when every
+    layer after Z has one, the loss has a closed-form Hessian and replaying the layers from Z
+    gives the network's output; else None.
+
+    Forward, the columns go through the layers, V_{l+1} = J_l V_l; at the output
+    U = (d2 L / df2) V; backward, U_l = J_l^T U_{l+1} + diag(sigma_l''(h_l) g_l) V_l with g_l the
+    gradient at the output of layer l (Hessian backpropagation, see :mod:`._layer_rules`).
+    """
+    if not all(is_covered(layer) for layer in layers):
+        return None
+    with torch.no_grad():
+        rules, h = [], Z.detach().clone()  # an in-place layer must not overwrite Z
+        for layer in layers:
+            rules.append(layer_rule(layer, h))
+            h = layer(h)
+        if not (isinstance(output, Tensor) and torch.equal(h, output.detach())):
+            return None
+        gradient = differentiable_output_gradient(loss_fn, h, y)
+        if gradient is None:
+            return None
+        curvatures = []  # of each layer, from the gradient at its output
+        for rule in reversed(rules):
+            curvatures.insert(0, rule.curvature(gradient))
+            gradient = rule.vjp(gradient.unsqueeze(-1)).squeeze(-1)
+    loss_product = output_hessian_product(loss_fn, h, y)
+
+    def product(V: Tensor) -> Tensor:
+        inputs = []  # V_l where layer l has a second-order term
+        for rule, curvature in zip(rules, curvatures):
+            inputs.append(None if curvature is None else V)
+            V = rule.jvp(V)
+        U = loss_product(V)
+        for rule, curvature, V in zip(rules[::-1], curvatures[::-1], inputs[::-1]):
+            U = rule.vjp(U)
+            if curvature is not None:
+                U = U.addcmul_(curvature.unsqueeze(-1), V)
+        return U
+
+    return product
+
+
 def _floating_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype of the model's first floating-point parameter (None if it has none)."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
@@ -87,6 +144,17 @@ class ActivationHessianOperator(CurvatureLinearOperator):
     unless it does not require grad (the network input): then the module gets a
     differentiable copy. The network runs on from a copy of Z, so an in-place operation after
     it (``ReLU(inplace=True)``) leaves Z as it was.
+
+    One decision, at construction, replaces that backward by a faster product with the columns
+    last: where the model is a plain ``nn.Sequential``, Z is its input or output or that of
+    one of its children, every module after Z is an ``nn.Linear``, ``nn.ReLU``,
+    ``nn.Sigmoid``, ``nn.Tanh`` or ``nn.GELU`` (without hooks), and the loss is one of the
+    three above with its closed form, the product is Hessian backpropagation by per-layer rules
+    (:mod:`avionics.curvature._layer_rules`): V [*Z, K] goes forward as J V (one batched
+    matrix product per Linear, sigma'(h) V per activation), meets d2 L / df2 in closed form,
+    and comes back as J^T U plus each activation's second-order term
+    diag(sigma''(h) g) V (g the gradient at its output), giving the exact Hessian in the result
+    block row-major, with no transpose. Anything else takes the batched backward.
 
     Its space is the samples of one batch on this process, so with torch.distributed
     initialised it is that batch's Hessian, with no communication (``distributed=True`` is
@@ -151,7 +219,14 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         self._X, self._y = batches[0]
         with MathAttention():
             self._Z, output, loss = self._forward()
-            self._loss_gradient = self._gradient(output, loss)
+            layers = _layers_after(model, self._module, io)
+            self._columns_last = (
+                None
+                if layers is None
+                else _columns_last_hessian(layers, self._Z, output, loss_fn, self._y)
+            )
+            if self._columns_last is None:
+                self._loss_gradient = self._gradient(output, loss)
             if check_deterministic:
                 Z, _, second_loss = self._forward()
                 if not (torch.equal(Z, self._Z) and torch.equal(second_loss, loss)):
@@ -226,6 +301,8 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         return captured[-1], output, loss
 
     def _new_result(self, K: int) -> Tensor:
+        if self._columns_last is not None:
+            return super()._new_result(K)
         # [K, D] transposed: the batched backward takes and gives the columns on a leading
         # axis, so the result block holds them that way (see _matmat)
         return torch.empty(K, self.shape[0], dtype=self.dtype, device=self.device).T
@@ -235,6 +312,9 @@ class ActivationHessianOperator(CurvatureLinearOperator):
         chunk = self._chunk_size or K
         for start in range(0, K, chunk):  # columns [*Z, K], chunk_size of them at a time
             columns = slice(start, start + chunk)
+            if self._columns_last is not None:
+                out[0][..., columns].copy_(self._columns_last(M[0][..., columns]))
+                continue
             V, HV = (x[..., columns].movedim(-1, 0) for x in (M[0], out[0]))  # [k, *Z]
             if HV.is_contiguous() and not V.is_contiguous():
                 # The backward's matrix products need the columns contiguous on the leading

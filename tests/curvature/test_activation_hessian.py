@@ -253,3 +253,46 @@ def test_every_loss_against_the_autograd_hessian(case, activation):
         Z, above = model(X).detach(), nn.Identity()
     expected = hessian(lambda z: loss_fn(above(z.view_as(Z)), y), Z.flatten())
     torch.testing.assert_close(dense(A), expected)
+
+
+_ACTIVATIONS = {
+    "relu": nn.ReLU,
+    "sigmoid": nn.Sigmoid,
+    "tanh": nn.Tanh,
+    "gelu": nn.GELU,
+    "gelu-tanh": lambda: nn.GELU(approximate="tanh"),
+}
+
+
+@pytest.mark.parametrize("name", list(_ACTIVATIONS))
+@pytest.mark.parametrize("loss_name", ["cross-entropy", "mse"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("N", [1, 4])
+def test_the_columns_last_rules_against_the_autograd_hessian(name, loss_name, reduction, N):
+    """Every covered activation, both losses, both reductions, cuts at inputs and outputs."""
+    torch.manual_seed(0)
+    make = _ACTIVATIONS[name]
+    model = nn.Sequential(nn.Linear(3, 5), make(), nn.Linear(5, 4), make(), nn.Linear(4, 3))
+    model = model.double()
+    X = torch.randn(N, 3, dtype=torch.float64)
+    if loss_name == "cross-entropy":
+        loss_fn, y = nn.CrossEntropyLoss(reduction=reduction), torch.randint(0, 3, (N,))
+    else:
+        loss_fn, y = nn.MSELoss(reduction=reduction), torch.randn(N, 3, dtype=torch.float64)
+    cuts = {("0", "input", 0): 0, ("1", "input", 0): 1, ("1", "output", 0): 2,
+            ("3", "input", 0): 3, ("4", "output", 0): 5, ("", "input", 0): 0}  # fmt: skip
+    for activation, cut in cuts.items():
+        A = ActivationHessianOperator(model, loss_fn, activation, [(X, y)])
+        assert A._columns_last is not None
+        Z = model[:cut](X).detach()
+        expected = hessian(
+            lambda z, cut=cut, Z=Z: loss_fn(model[cut:](z.view_as(Z)), y), Z.flatten()
+        )
+        torch.testing.assert_close(dense(A), expected)
+
+
+def test_the_batched_backward_is_kept_for_what_the_rules_do_not_cover():
+    for name, activation in [("cnn", ("3", "input", 0)), ("transformer", ("head", "input", 0))]:
+        model, loss_fn, data, _ = problem(name)
+        A = ActivationHessianOperator(model, loss_fn, activation, [data[0]])
+        assert A._columns_last is None
