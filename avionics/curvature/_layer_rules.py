@@ -38,10 +38,16 @@ class LayerRule(NamedTuple):
 
 
 def _linear_rule(module: nn.Linear, h: Tensor) -> LayerRule:
-    """h' = W h + b on the last axis of h: J V = W V, J^T U = W^T U (per sample, one batched
-    matrix product), no second-order term."""
+    """h' = W h + b on the last axis of h: J V = W V, J^T U = W^T U (per sample, one
+    contraction over all samples: einsum folds the samples and columns into one matrix
+    product, where ``W @ V`` broadcasts W into one small product per sample, 1.2-3.6x slower
+    on 3c3d's [512, 1152] layer), no second-order term."""
     W = module.weight.detach()
-    return LayerRule(lambda V: W @ V, lambda U: W.mT @ U, lambda g: None)
+    return LayerRule(
+        lambda V: torch.einsum("oi,...ik->...ok", W, V),
+        lambda U: torch.einsum("oi,...ok->...ik", W, U),
+        lambda g: None,
+    )
 
 
 def _elementwise_rule(first: Tensor, second: Tensor | None) -> LayerRule:
