@@ -280,11 +280,18 @@ def _propagated_axes(
     their candidate axes."""
     pending = {id(call): (call, axes) for call, axes in ambiguous}
     known = [c for cs in calls.values() for c in cs if id(c) not in pending and c.inputs]
+    outputs = frozenset(
+        (id(produced[0]), produced[1])
+        for cs in calls.values()
+        for c in cs
+        for produced in c.nodes
+        if not isinstance(produced, Tensor)
+    )
     while pending and known:
         found = []
         for reader in known:
             into, axis = _producer_node(reader)
-            traced = {} if into is None else traced_axes(into, axis)
+            traced = {} if into is None else traced_axes(into, axis, outputs)
             for key, (call, axes) in list(pending.items()):
                 same_input = call.inputs[0] is reader.inputs[0]
                 if same_input and reader.batch_axis in axes:

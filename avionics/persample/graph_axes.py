@@ -50,10 +50,13 @@ _VIEWS = {
 BUDGET = 2048
 
 
-def traced_axes(edge, axis: int) -> dict[tuple[int, int], int | None]:
+def traced_axes(edge, axis: int, stops=frozenset()) -> dict[tuple[int, int], int | None]:
     """(id(node), output index) -> the batch axis of that tensor, for every tensor the walk
     from ``edge`` (the (node, output index) of a tensor with the batch on ``axis``) reaches;
-    None where two paths disagree (a forward that mixes the batch with another axis)."""
+    None where two paths disagree (a forward that mixes the batch with another axis). The walk
+    goes no further back than a tensor whose key is in ``stops`` (a module call's output:
+    what lies before it is that call's own walk, so the walks of all calls together visit
+    each operation about once, not once per later call)."""
     found: dict[tuple[int, int], int | None] = {}
     stack = [(edge, axis)]
     while stack and len(found) < BUDGET:
@@ -66,7 +69,8 @@ def traced_axes(edge, axis: int) -> dict[tuple[int, int], int | None]:
                 found[key] = None
             continue
         found[key] = a
-        stack += _input_axes(node, nr, a)
+        if key not in stops:
+            stack += _input_axes(node, nr, a)
     return found
 
 
