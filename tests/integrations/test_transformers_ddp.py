@@ -23,6 +23,32 @@ WORLD, PER_PROCESS = 2, 2
 # The Monte-Carlo GGN diagonal's estimates (curvature="auto" on GPT-2): each process draws the
 # labels of its own samples, so they are another draw than one process's; compared by sign.
 DRAWN = ("HessTrace", "TICDiag")
+# The gradient histograms' counts: from the second step on, each process's parameters are the
+# one process's to rounding (DDP averages the gradients in another order), so a value within
+# rounding of a bin edge may fall into the neighbouring bin (12 of 15,110 in one cell on one
+# machine, none on another). Their totals must agree exactly, the bins to this fraction.
+HISTOGRAMS, MOVED_FRACTION = ("GradHist1d", "GradHist2d"), 1e-3
+
+
+def _without_counts(expected: dict) -> dict:
+    """A copy of ``expected`` without the histograms' counts (compared by _assert_same_counts)."""
+    copied = copy.deepcopy(expected)
+    for t in copied:
+        for q in HISTOGRAMS:
+            copied[t].get(q, {}).pop("hist", None)
+    return copied
+
+
+def _assert_same_counts(output: dict, expected: dict) -> None:
+    """Pops the histograms' counts from both and compares them: the same totals and shapes,
+    the bins to within MOVED_FRACTION of the total."""
+    for t in expected:
+        for q in HISTOGRAMS:
+            if q in expected[t]:
+                ours, theirs = (np.asarray(o[t][q].pop("hist")) for o in (output, expected))
+                assert ours.shape == theirs.shape and ours.sum() == theirs.sum(), (t, q)
+                moved = np.abs(ours - theirs).sum()
+                assert moved <= MOVED_FRACTION * theirs.sum(), (t, q, moved, theirs.sum())
 
 
 def _trainer_on_a_rank(rank, world, tmp_path, preset, steps, accumulation):
@@ -102,7 +128,8 @@ def test_two_processes_equal_one_process_on_the_global_batch(
         for t, values in drawn.items():
             assert set(values) <= set(output[t])
             assert all(np.sum(output[t].pop(q)) > 0 for q in values), output[t]
-        assert_same_output(output, expected, rel=RTOL, abs=1e-10)
+        _assert_same_counts(output, copy.deepcopy(expected))
+        assert_same_output(output, _without_counts(expected), rel=RTOL, abs=1e-10)
         records = [r for r in log_history if "loss" in r]
         assert len(records) == steps
         for record, alone in zip(records, single_records, strict=True):
