@@ -71,6 +71,10 @@ class MlflowSink:
             rank 0 only, so that only rank 0 creates a run, though every process builds the
             sink.
         tracking_uri: where the runs are (None: MLflow's default, ``MLFLOW_TRACKING_URI``).
+            The sink reaches them first when the cockpit hands it the run's metadata, so
+            that a process that is handed nothing never touches the store. (Building an
+            ``MlflowClient`` on a file store creates the store's default experiment: two
+            processes doing so at once can collide on its ``meta.yaml``.)
         experiment: the experiment's name, for a run the sink creates.
         run_name: the run's name, for a run the sink creates.
 
@@ -90,7 +94,8 @@ class MlflowSink:
         mlflow = _mlflow()
         self._metric = mlflow.entities.Metric
         self._param = mlflow.entities.Param
-        self.client = mlflow.MlflowClient(tracking_uri=tracking_uri)
+        self._client_class, self._tracking_uri = mlflow.MlflowClient, tracking_uri
+        self._client = None
         self._owned, self._experiment, self._run_name = run_id is None, experiment, run_name
         self.run_id = run_id
         self._tracking = Tracking()
@@ -138,6 +143,13 @@ class MlflowSink:
         """End the run if the sink created it."""
         if self._owned and self.run_id is not None:
             self.client.set_terminated(self.run_id)
+
+    @property
+    def client(self):
+        """The ``MlflowClient`` the sink writes with, built at its first use."""
+        if self._client is None:
+            self._client = self._client_class(tracking_uri=self._tracking_uri)
+        return self._client
 
     def _started(self) -> str:
         """The run's id, the run created first if it is the sink's own and has not been."""

@@ -88,6 +88,15 @@ def test_a_run_of_yours_is_written_to_and_left_open(store):
     )
 
 
+def test_building_the_sink_leaves_the_store_untouched(store, tmp_path):
+    # Under data parallelism every process builds the sink and only rank 0 is handed values.
+    # A client built on a file store creates its default experiment, so two processes
+    # building clients at once collided on mlruns/0/meta.yaml ("Yaml file ... exists").
+    sink = MlflowSink(tracking_uri=store)
+    sink.close()
+    assert not (tmp_path / "mlruns").exists() and sink.run_id is None
+
+
 def test_histogram_quantiles_lie_within_a_bin_of_the_samples_quantiles():
     rng = np.random.default_rng(0)
     samples = rng.standard_t(3, size=20_000)
