@@ -1,21 +1,24 @@
 """The first tracked step of a fresh process against a later one (issue 25: at most 3x).
 
-Each run is a fresh Python process (one torch thread) that builds the BasicBlock ResNet of
-``tests/real_models.py`` (batch 32) under ``configuration("economy")``, as
-``benchmarks/real_models.py`` does, and times, in CPU time of the process, the Cockpit's
-construction (it loads the histogram kernels its quantities use: numba), tracked step 0 and
-tracked steps 1-5 (the later step: their median); the process's first optimizer is built
-before the clock starts (it imports ``torch._dynamo``: seconds that are not the cockpit's).
-numba's cache is a temporary ``NUMBA_CACHE_DIR``: absent in the first process of a pair (the
-kernels compile at construction), present in the second (they load).
+Each run is a fresh Python process (one torch thread) that builds one of the seven models of
+``tests/real_models.py`` (at the sizes of ``benchmarks/real_models.py``) and times, in CPU time
+of the process: a plain SGD step 0 and 1 of a copy of the model (PyTorch's own first-call
+costs, such as the LSTM kernel's set-up, which a user's first step pays tracked or not, paid
+before the cockpit's clock, so that what follows is what avionics adds); the construction of
+a Cockpit with ``configuration("economy")``, as ``benchmarks/real_models.py`` builds it (it
+loads the histogram kernels its quantities use: numba); tracked step 0 and tracked steps 1-5
+(the later step: their median). numba's cache is a temporary ``NUMBA_CACHE_DIR``: absent in
+the first process of a pair (the kernels compile at construction), present in the second
+(they load).
 
-Run: ``python -m benchmarks.first_step`` (about a minute on a quiet machine), ``--no-write``,
-``--pairs 2``.
+Run: ``python -m benchmarks.first_step`` (a few minutes on a quiet machine), ``--models``,
+``--no-write``, ``--pairs 2``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -27,6 +30,7 @@ import warnings
 
 import torch
 
+from benchmarks.real_models import TITLES
 from benchmarks.report import machine, table, write_section
 
 SECTION = "first-step"
@@ -34,26 +38,22 @@ TARGET = 3.0
 LATER = 5  # tracked steps after step 0, their median is "a later step"
 
 
-WHY = (
-    "Before (2026-12-02, helper first; the same script on 5dbbb2d, where the per-sample "
-    "engine timed its candidate plans for each convolution at its first step, "
-    "`persample/rules/kernels.py` `choose` -> `_seconds`): {before}. Now each layer's plan is "
-    "fixed by its shape (BENCHMARKS.md, 'Measurements behind the engine's choices'): nothing "
-    "is timed, and step 0 / later is what the table gives. What step 0 still pays over a "
-    "later step: {why}"
-)
-
-
-def _probe() -> None:
-    """The body of a fresh process: print (construction, step 0, later step) in CPU s."""
+def _probe(name: str) -> None:
+    """The body of a fresh process for model ``name``: print (plain step 0, plain step 1,
+    construction, step 0, later step) in CPU s."""
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
     from benchmarks.real_models import SIZES, Preset
+    from benchmarks.tools import Plain
     from tests.real_models import ALL_MODELS
 
-    model, X, y, loss_fn = ALL_MODELS["resnet"](dtype=torch.float32, **SIZES["resnet"])
-    # a process's first optimizer imports torch._dynamo (seconds): not the cockpit's to count
-    torch.optim.SGD([torch.zeros(1, requires_grad=True)])
+    model, X, y, loss_fn = ALL_MODELS[name](dtype=torch.float32, **SIZES[name])
+    plain = Plain(copy.deepcopy(model), loss_fn, "sgd")
+    plain_seconds = []
+    for k in range(2):
+        t0 = time.process_time()
+        plain.step(k, X, y)
+        plain_seconds.append(time.process_time() - t0)
     t0 = time.process_time()
     tool = Preset(model, loss_fn, "economy")
     seconds = [time.process_time() - t0]
@@ -61,14 +61,14 @@ def _probe() -> None:
         t0 = time.process_time()
         tool.step(k, X, y)
         seconds.append(time.process_time() - t0)
-    print(json.dumps([seconds[0], seconds[1], statistics.median(seconds[2:])]))
+    print(json.dumps([*plain_seconds, seconds[0], seconds[1], statistics.median(seconds[2:])]))
 
 
-def pair() -> dict[str, list[float]]:
-    """(construction, step 0, later) with the cache absent, then present."""
+def pair(name: str) -> dict[str, list[float]]:
+    """The probe's figures for model ``name`` with the cache absent, then present."""
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "NUMBA_CACHE_DIR": cache}
-        command = [sys.executable, "-m", "benchmarks.first_step", "--probe"]
+        command = [sys.executable, "-m", "benchmarks.first_step", "--probe", name]
         runs = [
             json.loads(subprocess.run(command, env=env, capture_output=True, text=True,
                                       check=True).stdout.strip().splitlines()[-1])
@@ -81,30 +81,32 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-write", action="store_true", help="print only")
     parser.add_argument("--pairs", type=int, default=2, help="pairs of fresh processes")
-    parser.add_argument("--before", default="not measured", help="the text of 'before'")
-    parser.add_argument("--why", default="not profiled", help="the profile of step 0")
-    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--why", default="", help="a paragraph after the table: the profile")
+    parser.add_argument("--models", nargs="+", choices=list(TITLES), default=list(TITLES))
+    parser.add_argument("--probe", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
-        return _probe()
+        return _probe(args.probe)
     torch.set_num_threads(1)  # as the probes run (for the machine line)
     load = os.getloadavg()[0]
     rows = []
-    for _ in range(args.pairs):
-        for cache, (built, first, later) in pair().items():
-            ratio = first / later
-            mark = "met" if ratio <= TARGET else "missed"
-            rows.append([cache, f"{built:.2f}", f"{first:.3f}", f"{later:.3f}",
-                         f"{ratio:.1f} ({mark})"])  # fmt: skip
-            print(" | ".join(rows[-1]), flush=True)
-    header = ["numba cache", "construction s", "step 0 s", "later step s",
-              f"step 0 / later (target <= {TARGET:g})"]  # fmt: skip
+    for name in args.models:
+        for _ in range(args.pairs):
+            for cache, (plain0, plain1, built, first, later) in pair(name).items():
+                ratio = first / later
+                mark = "met" if ratio <= TARGET else "missed"
+                rows.append([TITLES[name], cache, f"{plain0:.3f} / {plain1:.3f}",
+                             f"{built:.2f}", f"{first:.3f}", f"{later:.3f}",
+                             f"{ratio:.1f} ({mark})"])  # fmt: skip
+                print(" | ".join(rows[-1]), flush=True)
+    header = ["model", "numba cache", "plain steps 0 / 1 s", "construction s", "step 0 s",
+              "later step s", f"step 0 / later (target <= {TARGET:g})"]  # fmt: skip
     markdown = "\n\n".join([
-        "## First tracked step of a fresh process (issue 25, helper first, 2026-12-02)",
+        "## First tracked step of a fresh process, the seven real models (issue 25)",
         machine() + f"; load average {load:.1f} when it started (shared machine: CPU time).",
         __doc__.split("\n\n")[1].replace("\n", " "),
         table(header, rows),
-        WHY.format(before=args.before, why=args.why),
+        *([args.why] if args.why else []),
     ])  # fmt: skip
     print(markdown)
     if not args.no_write:
