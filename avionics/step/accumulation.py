@@ -19,6 +19,7 @@ from torch.utils import _pytree as pytree
 
 from avionics.persample.calls import ModuleCall
 from avionics.persample.engine import find_batch_axes
+from avionics.persample.rules.broadcast import UseAxes
 from avionics.quantities.base import MicroBatch
 from avionics.step.merged_axes import merged_output_axes
 from avionics.step.precision import check_inputs_unchanged, check_rtol, detached_losses, in_float32
@@ -178,15 +179,57 @@ def merged_call(
     call.shared = shared
     call.batch_axis_decided = True
     call.broadcast_grad_outputs = merged_broadcast(calls, factors, axis)
-    keys = set(first.shared_parameter_gradients)
-    if all(set(c.shared_parameter_gradients) == keys for c in calls):
-        # (parameters used directly in the forward: their g_n, samples on axis 0)
-        call.shared_parameter_gradients = {
-            k: torch.cat([c.shared_parameter_gradients[k] * f for c, f in zip(calls, factors)])
-            for k in keys
-        }
+    merged_shared_parameters(call, calls, sizes, factors)
     call.summaries = added_summaries([c.summaries for c in calls])
     return call
+
+
+def merged_shared_parameters(
+    call: ModuleCall, calls: list[ModuleCall], sizes: list[int], factors: list[float]
+) -> None:
+    """The parameters used directly in the micro-batches' forwards, on the merged ``call``:
+    each one's g_n (samples on axis 0), micro-batch i's times f_i, concatenated, and the
+    :class:`~avionics.persample.rules.broadcast.UseAxes` of each of its uses with the sizes
+    of the concatenated batch (:func:`merged_use_axes`), so that the engine's
+    ``check_shared_parameters`` checks them against N as for one batch. A parameter the
+    micro-batches used otherwise (other uses, reduced over other axes) gets None: the
+    generic rule takes it, as one the check refuses."""
+    keys = set(calls[0].shared_parameter_gradients)
+    if any(set(c.shared_parameter_gradients) != keys for c in calls):
+        return
+    for k in keys:
+        grads = [c.shared_parameter_gradients[k] for c in calls]
+        uses = [c.shared_parameter_axes.get(k) for c in calls]
+        merged = None if all(u is None for u in uses) else merged_use_axes(uses, sizes)
+        if any(g is None for g in grads) or (merged is None and any(uses)):
+            call.shared_parameter_gradients[k] = None
+            continue
+        call.shared_parameter_gradients[k] = torch.cat([g * f for g, f in zip(grads, factors)])
+        if merged is not None:
+            call.shared_parameter_axes[k] = merged
+
+
+def merged_use_axes(uses: list[list | None], sizes: list[int]) -> list[UseAxes] | None:
+    """One parameter's uses in each micro-batch (a list of ``UseAxes`` each) as those of one
+    forward of the concatenated batch: the sizes of each use's broadcast output with N =
+    sum_i N_i on every axis where each micro-batch has its N_i (where a micro-batch's size
+    equals another size there, the check is as strict as for a batch of that size). None
+    where the micro-batches' uses differ (another number of them, other candidate axes,
+    another axis reduced over)."""
+    if any(u is None or len(u) != len(uses[0]) for u in uses):
+        return None
+    merged = []
+    for per_part in zip(*uses):
+        first = per_part[0]
+        same = [(u.candidates, u.axis, u.traced, len(u.sizes)) for u in per_part]
+        if any(s != same[0] for s in same):
+            return None
+        shape = tuple(
+            sum(sizes) if all(u.sizes[a] == n for u, n in zip(per_part, sizes)) else size
+            for a, size in enumerate(first.sizes)
+        )
+        merged.append(UseAxes(shape, first.candidates, first.axis, first.traced))
+    return merged
 
 
 def _shared_mask(module, path, t: Tensor) -> bool:

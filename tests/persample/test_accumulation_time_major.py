@@ -14,6 +14,7 @@ import torch
 from compare import assert_same_output
 from test_accumulation import EXACT, run
 from test_broadcast_time_major import PositionalTokens, _losses
+from torch import nn
 
 from avionics import configuration
 from avionics.persample import PerSampleEngine, Request
@@ -48,7 +49,14 @@ def test_accumulated_per_sample_gradients_of_a_time_major_model_equal_the_loop(
     """The engine's step of the merged calls (N samples) gives each sample's squared
     gradient norm and the sum over samples of g_n^2 of the float64 loop."""
     model, ids, y = time_major(body, t, n)
-    steps = []
+    assert_accumulated_equal_the_loop(model, ids, y, monkeypatch)
+
+
+def assert_accumulated_equal_the_loop(model, ids, y, monkeypatch, sizes=None):
+    """One step accumulated over two micro-batches (of ``sizes``) of time-major ``ids``:
+    the engine's step of the merged calls (N samples) gives each sample's squared gradient
+    norm and the sum over samples of g_n^2 of the float64 loop."""
+    steps, n = [], len(y)
     step = PerSampleEngine.step
 
     def recorded(engine, calls, size, *args, **kwargs):
@@ -56,7 +64,8 @@ def test_accumulated_per_sample_gradients_of_a_time_major_model_equal_the_loop(
         return steps[-1]
 
     monkeypatch.setattr(PerSampleEngine, "step", recorded)
-    run(model, ids, y, _losses, 2, lambda: configuration("economy"), steps=1, batch_axis=1)
+    economy = lambda: configuration("economy")  # noqa: E731
+    run(model, ids, y, _losses, 2, economy, steps=1, sizes=sizes, batch_axis=1)
     (merged,) = [s for s in steps if s.n == n]
     params = [p.detach() for p in model.parameters()]
     stats = merged.statistics(Request(sq_norms=True, sum_sq=True), {}, params=params)
@@ -75,3 +84,52 @@ def test_accumulated_economy_of_a_time_major_lstm_read_at_the_last_step_equals_o
     one = run(model, ids, y, loss_fn, 1, lambda: configuration("economy"), batch_axis=1)
     two = run(model, ids, y, loss_fn, 2, lambda: configuration("economy"), batch_axis=1)
     assert_same_output(two, one, **EXACT)
+
+
+class ScaledMean(nn.Module):
+    """Time-major token embeddings [T, N, W] times a root scale [W], a head on the mean over
+    time: the scale is broadcast along T and N, and no module with a ``batch_first``
+    attribute reads the product, so only the model's own attribute tells the batch axis."""
+
+    def __init__(self, vocab=11, width=5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.scale = nn.Parameter(torch.randn(width))
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, ids):
+        return self.head((self.embed(ids) * self.scale).tanh().mean(0))
+
+
+def scaled_mean(t: int, n: int, batch_first: bool | None):
+    torch.manual_seed(2)
+    model = ScaledMean().double()
+    if batch_first is not None:
+        model.batch_first = batch_first
+    return model, torch.randint(0, 11, (t, n)), torch.randint(0, 3, (n,))
+
+
+REFUSED = "parameter 'scale' need the batch axis of the tensor of shape"
+
+
+@pytest.mark.parametrize(("t", "n", "sizes"), [(4, 4, None), (4, 3, [2, 1]), (4, 6, [4, 2])])
+def test_a_shared_parameter_the_check_refuses_on_one_batch_is_refused_accumulated(t, n, sizes):
+    """The scale's per-sample map reduced over the root's inherited axis 0 (T), not the
+    batch's: refused on one batch, and on the step of two micro-batches (whose merged call
+    did not carry the uses' axes, so the check did not run)."""
+    model, ids, y = scaled_mean(t, n, None)
+    economy = lambda: configuration("economy")  # noqa: E731
+    with pytest.raises(ValueError, match=REFUSED):
+        run(model, ids, y, _losses, 1, economy, steps=1, batch_axis=1)
+    with pytest.raises(ValueError, match=REFUSED):
+        run(model, ids, y, _losses, 2, economy, steps=1, sizes=sizes, batch_axis=1)
+
+
+@pytest.mark.parametrize(("t", "n", "sizes"), [(4, 4, None), (4, 3, [2, 1]), (4, 6, [4, 2])])
+def test_a_shared_parameter_the_check_accepts_is_exact_accumulated(t, n, sizes, monkeypatch):
+    model, ids, y = scaled_mean(t, n, False)
+    economy = lambda: configuration("economy")  # noqa: E731
+    one = run(model, ids, y, _losses, 1, economy, batch_axis=1)
+    two = run(model, ids, y, _losses, 2, economy, sizes=sizes, batch_axis=1)
+    assert_same_output(two, one, **EXACT)
+    assert_accumulated_equal_the_loop(model, ids, y, monkeypatch, sizes)
