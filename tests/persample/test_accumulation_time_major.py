@@ -23,6 +23,10 @@ from avionics.persample import PerSampleEngine, Request
 SIZES = [(5, 4), (4, 4), (3, 6)]
 
 
+def economy():
+    return configuration("economy")
+
+
 def time_major(body: str, t: int, n: int):
     """A PositionalTokens model (width 8: no width equals N) on time-major ids [T, N]."""
     torch.manual_seed(0)
@@ -35,8 +39,8 @@ def time_major(body: str, t: int, n: int):
 @pytest.mark.parametrize("body", ["lstm", "transformer"])
 def test_accumulated_economy_on_a_time_major_model_equals_one_batch(body, t, n):
     model, ids, y = time_major(body, t, n)
-    one = run(model, ids, y, _losses, 1, lambda: configuration("economy"), batch_axis=1)
-    two = run(model, ids, y, _losses, 2, lambda: configuration("economy"), batch_axis=1)
+    one = run(model, ids, y, _losses, 1, economy, batch_axis=1)
+    two = run(model, ids, y, _losses, 2, economy, batch_axis=1)
     assert {"Alpha", "NormTest", "GradNorm"} <= set(two[0])
     assert_same_output(two, one, **EXACT)
 
@@ -64,7 +68,6 @@ def assert_accumulated_equal_the_loop(model, ids, y, monkeypatch, sizes=None):
         return steps[-1]
 
     monkeypatch.setattr(PerSampleEngine, "step", recorded)
-    economy = lambda: configuration("economy")  # noqa: E731
     run(model, ids, y, _losses, 2, economy, steps=1, sizes=sizes, batch_axis=1)
     (merged,) = [s for s in steps if s.n == n]
     params = [p.detach() for p in model.parameters()]
@@ -81,8 +84,8 @@ def test_accumulated_economy_of_a_time_major_lstm_read_at_the_last_step_equals_o
     """Padded ids [T, N], the head on each sample's state after its last token (a gather
     along time)."""
     model, ids, y, loss_fn = real_models.recurrent("lstm", batch_first=False, n=n, t=t)
-    one = run(model, ids, y, loss_fn, 1, lambda: configuration("economy"), batch_axis=1)
-    two = run(model, ids, y, loss_fn, 2, lambda: configuration("economy"), batch_axis=1)
+    one = run(model, ids, y, loss_fn, 1, economy, batch_axis=1)
+    two = run(model, ids, y, loss_fn, 2, economy, batch_axis=1)
     assert_same_output(two, one, **EXACT)
 
 
@@ -118,7 +121,6 @@ def test_a_shared_parameter_the_check_refuses_on_one_batch_is_refused_accumulate
     batch's: refused on one batch, and on the step of two micro-batches (whose merged call
     did not carry the uses' axes, so the check did not run)."""
     model, ids, y = scaled_mean(t, n, None)
-    economy = lambda: configuration("economy")  # noqa: E731
     with pytest.raises(ValueError, match=REFUSED):
         run(model, ids, y, _losses, 1, economy, steps=1, batch_axis=1)
     with pytest.raises(ValueError, match=REFUSED):
@@ -128,7 +130,6 @@ def test_a_shared_parameter_the_check_refuses_on_one_batch_is_refused_accumulate
 @pytest.mark.parametrize(("t", "n", "sizes"), [(4, 4, None), (4, 3, [2, 1]), (4, 6, [4, 2])])
 def test_a_shared_parameter_the_check_accepts_is_exact_accumulated(t, n, sizes, monkeypatch):
     model, ids, y = scaled_mean(t, n, False)
-    economy = lambda: configuration("economy")  # noqa: E731
     one = run(model, ids, y, _losses, 1, economy, batch_axis=1)
     two = run(model, ids, y, _losses, 2, economy, sizes=sizes, batch_axis=1)
     assert_same_output(two, one, **EXACT)
