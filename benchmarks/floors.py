@@ -90,6 +90,10 @@ LAYERS = (nn.Linear, nn.Conv2d, nn.Embedding, nn.LayerNorm, nn.BatchNorm2d) + (
 )
 
 
+# the layers whose input may hold the samples on the model's batch axis (time-major [T, N, .])
+_SAMPLES_ON_MODEL_AXIS = (nn.Linear, nn.Embedding, nn.LayerNorm)
+
+
 @dataclass
 class Call:
     """One call of a parameterised layer: its input and the gradient of the mean loss with
@@ -123,9 +127,16 @@ class Capture:
     ``nn.MultiheadAttention`` runs the floor's own self-attention (:func:`_self_attention`),
     whose in-projection and out-projection are recorded as Linear calls; the root parameters
     of :data:`ROOT_USES` models are recorded from the gradient of the child's input they are
-    added to (:class:`_RootUse`)."""
+    added to (:class:`_RootUse`).
 
-    def __init__(self, model: nn.Module):
+    ``batch_axis``: the axis of the model's input that holds the samples (1: a time-major
+    model's token ids [T, N]). An Embedding's ids, or a Linear's or LayerNorm's input (its
+    last axis its features), with the N samples on that axis (ids [T, N], [T, N, I]) are
+    recorded, with their output's gradient, with that axis moved to the front, so that every
+    kernel reads sample n at index n of axis 0; one whose batch axis is another (a head's
+    [N, W] after the time axis is reduced) is recorded as it is."""
+
+    def __init__(self, model: nn.Module, batch_axis: int = 0):
         roots = ROOT_USES.get(type(model).__name__, (None, {}))
         covered = {
             id(p) for m in model.modules() if isinstance(m, COVERED) for p in m.parameters()
@@ -147,6 +158,11 @@ class Capture:
                     f"padding_mode={m.padding_mode!r}."
                 )
         self.calls: list[Call] = []
+        self.batch_axis, self.n = batch_axis, None  # (n: the last forward's samples)
+        if batch_axis != 0:
+            model.register_forward_pre_hook(
+                lambda m, inputs: setattr(self, "n", inputs[0].shape[batch_axis])
+            )
         for module in model.modules():
             if isinstance(module, LAYERS):
                 module.register_forward_hook(self._record)
@@ -165,9 +181,21 @@ class Capture:
         self.record(module, inputs[0], output)
 
     def record(self, module, x: Tensor, output: Tensor, params=None) -> None:
-        """A call of ``module`` with input x; d is set to the gradient of ``output``."""
-        call = self.call(module, x, params)
-        output.register_hook(lambda d: setattr(call, "d", d.detach()))
+        """A call of ``module`` with input x; d is set to the gradient of ``output`` (both
+        with the samples moved to axis 0, :meth:`_sample_axis`)."""
+        axis = self._sample_axis(module, x)
+        call = self.call(module, x.movedim(axis, 0), params)
+        output.register_hook(lambda d: setattr(call, "d", d.detach().movedim(axis, 0)))
+
+    def _sample_axis(self, module, x: Tensor) -> int:
+        """The axis of ``x`` that holds the samples: the model's batch axis for an
+        Embedding's ids, or a Linear's or LayerNorm's input below its feature axis, with the N
+        samples there; else 0."""
+        axis = self.batch_axis
+        if axis == 0 or not isinstance(module, _SAMPLES_ON_MODEL_AXIS):
+            return 0
+        features = 0 if isinstance(module, nn.Embedding) else 1
+        return axis if axis < x.dim() - features and x.shape[axis] == self.n else 0
 
     def call(self, module, x: Tensor, params=None) -> Call:
         """A new call of ``module`` with input x, its d set by the caller."""
@@ -590,14 +618,16 @@ class Floor(Plain):
     step k's values (floats): the gradient tests, and for economy GradNorm, Distance,
     UpdateSize (of the previous step) and Alpha's observations."""
 
-    def __init__(self, model, loss_fn, kind: str = "sgd", floor: str = "three tests"):
+    def __init__(
+        self, model, loss_fn, kind: str = "sgd", floor: str = "three tests", batch_axis: int = 0
+    ):
         if kind != "sgd":
             raise ValueError(f"Floor needs plain SGD (kind='sgd'), got kind={kind!r}.")
         if floor not in KINDS:
             raise ValueError(f"Unknown floor={floor!r}; choose one of {', '.join(KINDS)}.")
         super().__init__(model, loss_fn, kind)
         self.norms, self.project, self.economy = KINDS[floor]
-        self.capture = Capture(model)
+        self.capture = Capture(model, batch_axis)  # (batch_axis: that of X, see Capture)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.values: dict[int, dict] = {}
         self._previous: dict[nn.Parameter, Direction] = {}
@@ -615,7 +645,7 @@ class Floor(Plain):
         losses = self.loss_fn(self.model(X), y)
         loss = losses.mean()
         loss.backward()
-        values = self._statistics(len(X), loss, losses.detach())
+        values = self._statistics(X.shape[self.capture.batch_axis], loss, losses.detach())
         self.capture.calls = []
         self.opt.step()
         self.values[k] = values

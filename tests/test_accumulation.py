@@ -31,22 +31,26 @@ def economy_and_curvature(curvature="diag_ggn_exact"):
 ONE_BATCH = {}  # reduction -> the output of the one-batch run (shared by the parameters)
 
 
-def run(model, X, y, loss_fn, k, make_quantities, steps=2, reduction="mean", sizes=None):
+def run(
+    model, X, y, loss_fn, k, make_quantities, steps=2, reduction="mean", sizes=None, batch_axis=0
+):
     """Train ``steps`` SGD steps on (X, y), each accumulated over k micro-batches (of
-    ``sizes`` samples, default equal chunks), backpropagating each micro-batch's share of
-    the whole batch's loss; the cockpit's output."""
+    ``sizes`` samples, default equal chunks; X split along ``batch_axis``, y along axis 0),
+    backpropagating each micro-batch's share of the whole batch's loss; the cockpit's
+    output."""
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     cockpit = Cockpit(model, make_quantities())
-    sizes = sizes or [len(c) for c in X.chunk(k)]
+    sizes = sizes or [len(c) for c in y.chunk(k)]
+    parts = list(zip(X.split(sizes, batch_axis), y.split(sizes), strict=True))
     for step in range(steps):
         opt.zero_grad()
-        for i, (xb, yb) in enumerate(zip(X.split(sizes), y.split(sizes), strict=True)):
+        for i, (xb, yb) in enumerate(parts):
             losses = loss_fn(model(xb), yb)
             loss = losses.mean() if reduction == "mean" else losses.sum()
-            info = {"loss": loss, "individual_losses": losses, "batch_size": len(xb)}
+            info = {"loss": loss, "individual_losses": losses, "batch_size": len(yb)}
             info["optimizer"] = opt
-            share = len(xb) / len(X) if reduction == "mean" else 1.0
+            share = len(yb) / len(y) if reduction == "mean" else 1.0
             with cockpit(step, info, micro_batch=i, micro_batches=k):
                 (loss * share).backward(create_graph=cockpit.create_graph(step))
         opt.step()

@@ -17,7 +17,7 @@ def _reference(model, X, y, loss_fn):
     """NormTest and InnerTest from per-sample gradients by a loop over samples."""
     params = list(model.parameters())
     losses = loss_fn(model(X), y)
-    n = len(X)
+    n = len(losses)
     mean = torch.autograd.grad(losses.mean(), params, retain_graph=True)
     per = [torch.autograd.grad(losses[i], params, retain_graph=True) for i in range(n)]
     g_sq = sum(g.square().sum() for g in mean)

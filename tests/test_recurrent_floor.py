@@ -12,6 +12,7 @@ from torch import nn
 
 from benchmarks.floors import Capture, Direction, Floor, _uses, parameter_statistics
 from tests.real_models import ALL_MODELS, recurrent
+from tests.test_floors_layers import _reference
 
 
 class TwoLayers(nn.Module):
@@ -118,3 +119,63 @@ def test_the_floor_refuses_a_bidirectional_layer():
     model.rnn = nn.LSTM(5, 6, bidirectional=True, batch_first=True)
     with pytest.raises(ValueError, match="unidirectional"):
         Floor(model, _ce, "sgd", "economy")
+
+
+class TimeMajorTokens(nn.Module):
+    """Time-major ids [T, N]: an embedding, a LayerNorm and a Linear on [T, N, W] (T shared
+    by a sample), the mean over time, a head on [N, W]."""
+
+    def __init__(self, vocab=9, width=5):
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(vocab, width), nn.LayerNorm(width)
+        self.mix, self.head = nn.Linear(width, width), nn.Linear(width, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.norm(self.embed(ids)))).mean(0))
+
+
+def _time_major_tokens(t: int, n: int):
+    torch.manual_seed(0)
+    model = TimeMajorTokens().double()
+    return model, torch.randint(0, 9, (t, n)), torch.randint(0, 3, (n,)), _ce
+
+
+TIME_MAJOR = {
+    "time-major lstm": lambda: recurrent("lstm", batch_first=False, n=5),
+    "packed time-major lstm": lambda: recurrent("lstm", packed=True, batch_first=False, n=5),
+    "time-major tokens, N != T": lambda: _time_major_tokens(4, 6),
+    "time-major tokens, N == T": lambda: _time_major_tokens(4, 4),
+}
+
+
+@pytest.mark.parametrize("name", list(TIME_MAJOR))
+def test_the_economy_floor_of_time_major_models_equals_avionics(name):
+    """The floor of ``batch_axis=1`` (ids [T, N]): its Embedding, LayerNorm and Linear
+    kernels read the samples on axis 1 of [T, N, .], the head's on axis 0 of [N, W]; two
+    steps' gradient tests and histogram counts equal the cockpit's economy preset, and the
+    first step's tests those of the float64 loop over samples."""
+    from avionics import Cockpit, configuration
+
+    model, X, y, loss_fn = TIME_MAJOR[name]()
+    loop = _reference(copy.deepcopy(model), X, y, loss_fn)  # (NormTest, InnerTest of step 0)
+    floor = Floor(copy.deepcopy(model), loss_fn, "sgd", "economy", batch_axis=1)
+    reference = copy.deepcopy(model)
+    opt = torch.optim.SGD(reference.parameters(), lr=floor.opt.param_groups[0]["lr"])
+    cockpit = Cockpit(reference, configuration("economy"))
+    for k in range(2):
+        floor.step(k, X, y)
+        opt.zero_grad()
+        losses = loss_fn(reference(X), y)
+        info = {"loss": losses.mean(), "individual_losses": losses, "batch_size": len(y)}
+        with cockpit(k, {**info, "optimizer": opt}):
+            losses.mean().backward()
+        opt.step()
+        expected = cockpit.get_output()[k]
+        for test in ("NormTest", "InnerTest", "OrthoTest"):
+            assert floor.values[k][test] == pytest.approx(expected[test], rel=1e-10)
+        counted = floor.values[k]["GradHist1d"]
+        assert counted == [float(c) for c in expected["GradHist1d"]["hist"]]
+        assert sum(counted) == len(y) * sum(p.numel() for p in model.parameters())
+    assert (floor.values[0]["NormTest"], floor.values[0]["InnerTest"]) == pytest.approx(
+        loop, rel=1e-10
+    )

@@ -86,6 +86,10 @@ class ModuleCall:
     # arange(T) with T == N, broadcast into the batch with axes put in front of it: see
     # avionics.persample.rules.broadcast.hook_shared_outputs)
     shared: bool = False
+    # whether ``batch_axis`` is already decided (a merged call of gradient accumulation, its
+    # axis decided on each micro-batch's own graph: avionics.step.accumulation), so that the
+    # engine's find_batch_axes keeps it
+    batch_axis_decided: bool = False
     # what the generic rule's re-runs found of the forward (avionics.persample.rules.generic),
     # shared by the call's copies for other columns
     found: ForwardFacts = field(default_factory=ForwardFacts)

@@ -98,7 +98,7 @@ class PerSampleEngine(Routing):
         cast = at_least_float32(calls, self.module_name)
         if cast is not None and rtol is None:
             rtol = 4 * torch.finfo(cast).eps  # (the backward rounded each product to it)
-        _find_batch_axes(calls, n, self.model)
+        find_batch_axes(calls, n, self.model)
         check_shared_parameters(self.model, calls, n)
         step = CapturedStep(self, calls, n, output_gradient_factor)
         if gradients is not None and self.needs_check(calls) and self.check(step, gradients, rtol):
@@ -227,7 +227,7 @@ def _difference_norm(total: Tensor | None, actual: Tensor, factor: float) -> Ten
     return square.sqrt()
 
 
-def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.Module) -> None:
+def find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.Module) -> None:
     """Correct the batch axis of each call whose first input does not have the ``n`` samples
     on the axis inherited from its ancestors' ``batch_first`` but on exactly one other axis
     (time-major token ids [T, N] given to an nn.Embedding before a batch_first=False RNN; a
@@ -244,7 +244,7 @@ def _find_batch_axes(calls: dict[nn.Module, list[ModuleCall]], n: int, root: nn.
     ambiguous = []
     for module_calls in calls.values():
         for call in module_calls:
-            if not call.inputs or call.shared:
+            if not call.inputs or call.shared or call.batch_axis_decided:
                 continue
             shape = call.inputs[0].shape
             axes = [a for a, size in enumerate(shape) if size == n]
@@ -290,7 +290,7 @@ def _propagated_axes(
     while pending and known:
         found = []
         for reader in known:
-            into, axis = _producer_node(reader)
+            into, axis = producer_edge(reader)
             traced = {} if into is None else traced_axes(into, axis, outputs)
             for key, (call, axes) in list(pending.items()):
                 same_input = call.inputs[0] is reader.inputs[0]
@@ -364,7 +364,7 @@ def _refuse_contradicted(calls: dict, undecided: list, n: int, root: nn.Module) 
         )
 
 
-def _producer_node(call: ModuleCall) -> tuple[object | None, int]:
+def producer_edge(call: ModuleCall) -> tuple[object | None, int]:
     """(the autograd edge (node, output index) of the call's first input, or None, and the
     batch axis of that tensor): through ``pack_padded_sequence`` (and its sorting
     ``index_select``) for a PackedSequence."""

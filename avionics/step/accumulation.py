@@ -18,7 +18,10 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from avionics.persample.calls import ModuleCall
+from avionics.persample.engine import find_batch_axes
+from avionics.persample.rules.broadcast import UseAxes
 from avionics.quantities.base import MicroBatch
+from avionics.step.merged_axes import merged_output_axes
 from avionics.step.precision import check_inputs_unchanged, check_rtol, detached_losses, in_float32
 from avionics.step.values import Combined, Part
 
@@ -42,8 +45,9 @@ def accumulated(parts: list[Part], params: list, engine) -> Combined:
     calls, micro_batches, cast = None, None, None
     if all(part.capture is not None for part in parts):
         per_part = [part.capture.calls_by_module() for part in parts]
-        for part_calls in per_part:
+        for part_calls, part in zip(per_part, parts):
             check_inputs_unchanged(part_calls, engine)
+            find_batch_axes(part_calls, part.n, engine.model)  # (each on its own samples)
         micro_batches = [
             MicroBatch(part_calls, part.info["individual_losses"], part.n / n)
             for part_calls, part in zip(per_part, parts)
@@ -51,7 +55,9 @@ def accumulated(parts: list[Part], params: list, engine) -> Combined:
         # (in float32 before the merge, so that each micro-batch's factor is applied in it)
         casts = [in_float32(part_calls, engine) for part_calls in per_part]
         cast = next((c for c in casts if c is not None), None)
-        calls = merged_calls(per_part, [part.n for part in parts], factors)
+        sizes = [part.n for part in parts]
+        output_axes = merged_output_axes(per_part, sizes, engine.module_name)
+        calls = merged_calls(per_part, sizes, factors, output_axes)
     return Combined(
         single=False,
         scale=1.0,
@@ -70,13 +76,18 @@ def accumulated(parts: list[Part], params: list, engine) -> Combined:
     )
 
 
-def merged_calls(per_part: list[dict], sizes: list[int], factors: list[float]) -> dict:
+def merged_calls(
+    per_part: list[dict], sizes: list[int], factors: list[float], output_axes: dict
+) -> dict:
     """The calls of k micro-batches' forwards as those of one forward of their concatenated
-    batch: call j of each module is the concatenation along the batch axis of the
-    micro-batches' calls j (tensors that do not carry a micro-batch's samples, such as a
-    position table's indices, are taken from the first), micro-batch i's output gradients
-    multiplied by f_i, so that the merged calls' output-gradient factor is 1. The merged calls
-    have no graph of their own: the curvature quantities read each micro-batch's."""
+    batch: call j of each module is the concatenation of the micro-batches' calls j, its
+    inputs along the call's batch axis (tensors that do not carry a micro-batch's samples,
+    such as a position table's indices, are taken from the first), each output and its
+    gradient along the output's own batch axis (``output_axes``: :func:`~avionics.step.
+    merged_axes.merged_output_axes`; a time-major model maps [T, N] to [N, C]), micro-batch
+    i's output gradients multiplied by f_i, so that the merged calls' output-gradient factor
+    is 1. The merged calls have no graph of their own: the curvature quantities read each
+    micro-batch's."""
     modules = list(per_part[0])
     for i, part in enumerate(per_part[1:], start=1):
         if set(part) != set(modules) or any(len(part[m]) != len(per_part[0][m]) for m in modules):
@@ -86,14 +97,20 @@ def merged_calls(per_part: list[dict], sizes: list[int], factors: list[float]) -
                 "must run the same forward on their own samples."
             )
     return {
-        m: [merged_call(calls, sizes, factors) for calls in zip(*(part[m] for part in per_part))]
+        m: [
+            merged_call(calls, sizes, factors, output_axes[id(calls[0])])
+            for calls in zip(*(part[m] for part in per_part))
+        ]
         for m in modules
     }
 
 
-def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float]) -> ModuleCall:
+def merged_call(
+    calls: list[ModuleCall], sizes: list[int], factors: list[float], output_axes: list
+) -> ModuleCall:
     """Call j of one module in each micro-batch, as one call on their concatenated batch
-    (see :func:`merged_calls`)."""
+    (see :func:`merged_calls`; ``output_axes``: the batch axis of each output, None where
+    every sample shares it)."""
     first = calls[0]
     axis = first.batch_axis
     # a call shared by all samples (its output broadcast into the batch: a position table)
@@ -124,21 +141,18 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
     )
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
     outputs, grad_outputs = [], []
-    for j, out in enumerate(first.outputs):
+    for j, (out, along) in enumerate(zip(first.outputs, output_axes, strict=True)):
         shapes = [c.outputs[j].shape for c in calls]
         shape = list(out.shape)
-        along = (
-            not shared and len(shape) > axis and all(s[axis] == n for s, n in zip(shapes, sizes))
-        )
-        if along:
-            shape[axis] = sum(sizes)
+        if along is not None:
+            shape[along] = sum(sizes)
         outputs.append(copy.copy(out))
         outputs[-1].shape = torch.Size(shape)
         grads = [c.grad_outputs[j] for c in calls]
         if all(g is None for g in grads):
             grad_outputs.append(None)
             continue
-        if not along:  # (an output every sample shares: its gradient is the sum)
+        if along is None:  # (an output every sample shares: its gradient is the sum)
             grad_outputs.append(sum(g * f for g, f in zip(grads, factors) if g is not None))
             continue
         grad_outputs.append(
@@ -147,7 +161,7 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
                     g * f if g is not None else torch.zeros(s, dtype=out.dtype, device=out.device)
                     for g, f, s in zip(grads, factors, shapes)
                 ],
-                axis,
+                along,
             )
         )
     call = ModuleCall(
@@ -163,16 +177,59 @@ def merged_call(calls: list[ModuleCall], sizes: list[int], factors: list[float])
     )
     call.grad_outputs = grad_outputs
     call.shared = shared
+    call.batch_axis_decided = True
     call.broadcast_grad_outputs = merged_broadcast(calls, factors, axis)
-    keys = set(first.shared_parameter_gradients)
-    if all(set(c.shared_parameter_gradients) == keys for c in calls):
-        # (parameters used directly in the forward: their g_n, samples on axis 0)
-        call.shared_parameter_gradients = {
-            k: torch.cat([c.shared_parameter_gradients[k] * f for c, f in zip(calls, factors)])
-            for k in keys
-        }
+    merged_shared_parameters(call, calls, sizes, factors)
     call.summaries = added_summaries([c.summaries for c in calls])
     return call
+
+
+def merged_shared_parameters(
+    call: ModuleCall, calls: list[ModuleCall], sizes: list[int], factors: list[float]
+) -> None:
+    """The parameters used directly in the micro-batches' forwards, on the merged ``call``:
+    each one's g_n (samples on axis 0), micro-batch i's times f_i, concatenated, and the
+    :class:`~avionics.persample.rules.broadcast.UseAxes` of each of its uses with the sizes
+    of the concatenated batch (:func:`merged_use_axes`), so that the engine's
+    ``check_shared_parameters`` checks them against N as for one batch. A parameter the
+    micro-batches used otherwise (other uses, reduced over other axes) gets None: the
+    generic rule takes it, as one the check refuses."""
+    keys = set(calls[0].shared_parameter_gradients)
+    if any(set(c.shared_parameter_gradients) != keys for c in calls):
+        return
+    for k in keys:
+        grads = [c.shared_parameter_gradients[k] for c in calls]
+        uses = [c.shared_parameter_axes.get(k) for c in calls]
+        merged = None if all(u is None for u in uses) else merged_use_axes(uses, sizes)
+        if any(g is None for g in grads) or (merged is None and any(uses)):
+            call.shared_parameter_gradients[k] = None
+            continue
+        call.shared_parameter_gradients[k] = torch.cat([g * f for g, f in zip(grads, factors)])
+        if merged is not None:
+            call.shared_parameter_axes[k] = merged
+
+
+def merged_use_axes(uses: list[list | None], sizes: list[int]) -> list[UseAxes] | None:
+    """One parameter's uses in each micro-batch (a list of ``UseAxes`` each) as those of one
+    forward of the concatenated batch: the sizes of each use's broadcast output with N =
+    sum_i N_i on every axis where each micro-batch has its N_i (where a micro-batch's size
+    equals another size there, the check is as strict as for a batch of that size). None
+    where the micro-batches' uses differ (another number of them, other candidate axes,
+    another axis reduced over)."""
+    if any(u is None or len(u) != len(uses[0]) for u in uses):
+        return None
+    merged = []
+    for per_part in zip(*uses):
+        first = per_part[0]
+        same = [(u.candidates, u.axis, u.traced, len(u.sizes)) for u in per_part]
+        if any(s != same[0] for s in same):
+            return None
+        shape = tuple(
+            sum(sizes) if all(u.sizes[a] == n for u, n in zip(per_part, sizes)) else size
+            for a, size in enumerate(first.sizes)
+        )
+        merged.append(UseAxes(shape, first.candidates, first.axis, first.traced))
+    return merged
 
 
 def _shared_mask(module, path, t: Tensor) -> bool:

@@ -84,12 +84,7 @@ class GenericRule(Rule):
             out = rerun(module, (theta, fixed), args, kwargs, statistics)
             return [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
 
-        if found.output_batch_axes is None:
-            first = [t.select(axis, 0) if b else t for t, b in zip(leaves, batched, strict=True)]
-            with torch.no_grad():
-                one = forward(params, first)
-            found.output_batch_axes = _output_batch_axes(call, one, n)
-        delta_axes = found.output_batch_axes
+        delta_axes = output_batch_axes(call, n)
         deltas = [
             output_gradient(call, i).narrow(a, start, stop - start) * self.output_gradient_factor
             for i, a in enumerate(delta_axes)
@@ -184,6 +179,33 @@ def _batch_statistics(module: nn.Module, state: tuple, call) -> BatchStatistics:
 
 def _detach(leaf):
     return leaf.detach() if isinstance(leaf, Tensor) else leaf
+
+
+def output_batch_axes(call, n: int) -> list[int]:
+    """The batch axis of each output of ``call`` (``n`` samples on its input's batch axis),
+    by one re-run of its module on the call's first sample alone (:func:`_output_batch_axes`),
+    found once (:attr:`ModuleCall.found`). The re-run draws from a fork of the random state
+    and normalises the batch-statistics BatchNorms inside by the whole batch's."""
+    found = call.found
+    if found.output_batch_axes is not None:
+        return found.output_batch_axes
+    module, axis = call.module, call.batch_axis
+    params = {name: computing(p.detach()) for name, p in module.named_parameters()}
+    state = (params, _in_float32(module, params))
+    if found.batch_statistics is None:
+        found.batch_statistics = _batch_statistics(module, state, call)
+
+    def first(t):
+        if isinstance(t, Tensor) and t.dim() > axis and t.shape[axis] == n:
+            return t.detach().narrow(axis, 0, 1)
+        return _detach(t)
+
+    args, kwargs = pytree.tree_map(first, (call.args, call.kwargs))
+    with torch.no_grad(), replayed(state_before(call.args)):
+        out = rerun(module, state, args, kwargs, found.batch_statistics)
+    one = [t for t in pytree.tree_leaves(out) if isinstance(t, Tensor)]
+    found.output_batch_axes = _output_batch_axes(call, one, n)
+    return found.output_batch_axes
 
 
 def _output_batch_axes(call, one: list[Tensor], n: int) -> list[int]:
