@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from benchmarks.floors import Capture, Direction, Floor, _uses, parameter_statistics
+from benchmarks.floor_capture import Capture
+from benchmarks.floors import Direction, Floor, _uses, parameter_statistics
 from tests.real_models import ALL_MODELS, recurrent
 from tests.test_floors_layers import _reference
 
