@@ -37,7 +37,7 @@ def read(values: dict[int, dict[str, Any]], convert: bool):
             numbers = reads.tree(deferred.tensors) if deferred else None
             finite = None  # (its read)
             if _is_float_tensor(value):
-                finite = reads.add(_finiteness(value))
+                finite = reads.add(finiteness(value))
             leaves = reads.tree(value) if convert else None
             pending.append((step, name, deferred, numbers, finite, value, leaves))
     host = reads.host()
@@ -142,7 +142,7 @@ def _is_float_tensor(value: Any) -> bool:
     return isinstance(value, Tensor) and value.is_floating_point()
 
 
-def _finiteness(tensor: Tensor) -> Tensor:
+def finiteness(tensor: Tensor) -> Tensor:
     """A number that is finite where every entry of ``tensor`` is: a scalar itself (a step's
     many scalars cost no kernel), else sum_i 0 * t_i, which is 0 where every t_i is finite
     and NaN where one is NaN or infinite (0 * inf = NaN; it cannot overflow): two operations,
