@@ -15,7 +15,7 @@ from torch.nn import functional as F
 from avionics import Cockpit
 from avionics.diagnosis import diagnose
 from avionics.quantities import Loss, LossOutliers
-from avionics.quantities.loss import outliers
+from avionics.quantities.loss import outliers, outliers_of
 from avionics.records import Run
 
 
@@ -46,6 +46,31 @@ def test_non_finite_losses_come_first_and_the_list_is_bounded():
     found = outliers(losses, 6.0, max_listed=3)
     assert found["indices"][:2] in ([3, 7], [7, 3]) and found["indices"][2] == 4
     assert found["count"] == 4 and found["median"] == pytest.approx(1.025)  # of the finite
+
+
+def test_the_host_rule_equals_numpy_s_on_batches_with_every_kind_of_loss():
+    """The plain-Python rule against the same rule in numpy (median, MAD, the order of
+    -nan_to_num(l, nan=inf)): equal numbers, lists and order on random batches mixing
+    finite losses, ties, nan, +-inf, +-the largest float and signed zeros."""
+    rng = np.random.default_rng(0)
+    specials = [math.nan, math.inf, -math.inf, 1.7976931348623157e308, -1.7976931348623157e308,
+                0.0, -0.0, 0.5]  # fmt: skip
+    for _ in range(400):
+        n = int(rng.integers(0, 30))
+        losses = np.where(rng.random(n) < 0.3, rng.choice(specials, n), rng.gamma(2.0, 1.0, n))
+        k, listed = float(rng.choice([0.5, 3.0, 6.0])), int(rng.integers(1, 8))
+        found = outliers_of(losses.tolist(), k, listed)
+        finite = losses[np.isfinite(losses)]
+        with np.errstate(all="ignore"):
+            median = float(np.median(finite)) if len(finite) else math.nan
+            mad = float(np.median(np.abs(finite - median))) if len(finite) else math.nan
+            scale = max(1.4826 * mad, 0.01 * abs(median))
+            indices = np.flatnonzero(~np.isfinite(losses) | (losses > median + k * scale))
+        order = np.argsort(-np.nan_to_num(losses[indices], nan=math.inf), kind="stable")
+        expected = indices[order[:listed]].tolist()
+        assert found["indices"] == expected and found["count"] == len(indices)
+        assert np.array_equal(found["losses"], losses[expected], equal_nan=True)
+        assert np.array_equal([found["median"], found["scale"]], [median, scale], equal_nan=True)
 
 
 def test_equal_losses_have_no_outliers():

@@ -81,8 +81,13 @@ def test_non_finite_values_are_named_per_step():
     values = {
         5: {"ok": torch.ones(3), "inf": torch.tensor([1.0, math.inf]), "rate": math.nan},
         6: {"count": torch.tensor(3), "fine": 1.0},
-    }
-    _, non_finite = read(values, convert=False)
-    assert non_finite == {5: ["inf", "rate"]}
+        # finite values whose sum overflows; a NaN, and a -inf in half precision, in a vector
+        8: {"large": torch.full((4,), 3e38), "nan": torch.tensor([0.0, math.nan]),
+            "half": torch.tensor([-math.inf, 2.0], dtype=torch.bfloat16),
+            "empty": torch.zeros(0)},
+    }  # fmt: skip
+    for convert in (False, True):
+        _, non_finite = read(values, convert=convert)
+        assert non_finite == {5: ["inf", "rate"], 8: ["nan", "half"]}
     deferred = {7: {"Alpha": Deferred((torch.tensor(0.0),), lambda floats, _: math.nan)}}
     assert read(deferred, convert=False)[1] == {7: ["Alpha"]}

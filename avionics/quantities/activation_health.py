@@ -38,12 +38,14 @@ sums are added over the processes (the processes' outputs must have the same uni
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from avionics.persample import Request
-from avionics.quantities.base import Quantity, StepData
+from avionics.quantities.base import Quantity, StepData, user_stacklevel
+from avionics.quantities.deferred import Deferred
 from avionics.quantities.outputs import TENSORS
 
 ACTIVATIONS = (
@@ -130,50 +132,95 @@ def saturation_of(module: nn.Module):
     return None
 
 
-def output_summary(module: nn.Module, output, batch_axis: int) -> dict[str, Tensor] | None:
-    """The counts and sums of one call's output (None for a module that is no activation):
-    ``alive`` [units]: the samples where each unit is nonzero; ``moments``: [values, sum_y,
-    sum_y^2, saturated values], float64.
+class CallSummary(NamedTuple):
+    """What the capture keeps of one call's output y, one reduction each of y as it is (no
+    float64 copy of it): ``alive`` [*units] (int64), the samples where each unit is nonzero;
+    ``total`` = sum y and ``squares`` = ||y||^2 (0-d float64: the sum and the norm in y's
+    dtype, widened); ``saturated``, the number of saturated values (0-d int64; the int 0 for
+    an activation that does not saturate); ``values``, the number of values of y. Every field
+    adds over micro-batches (a tuple: :func:`~avionics.step.accumulation.added_summaries`
+    adds its leaves)."""
 
-    Each is one reduction of the output as it is (no float64 copy of it): the nonzero count
-    along the batch axis, the sum, the norm, and the count of the saturation mask.
-    """
+    alive: Tensor
+    total: Tensor
+    squares: Tensor
+    saturated: Tensor | int
+    values: int
+
+
+def output_summary(module: nn.Module, output, batch_axis: int) -> CallSummary | None:
+    """The :class:`CallSummary` of one call's output (None for a module that is no
+    activation)."""
     if not isinstance(output, Tensor) or not is_activation(module):
         return None
-    alive = torch.count_nonzero(output, dim=batch_axis).flatten().double()
     saturated = saturation_of(module)
-    zero = output.new_zeros((), dtype=torch.float64)
-    moments = torch.stack(
-        [
-            zero + output.numel(),
-            output.sum().double(),
-            torch.linalg.vector_norm(output).double().square(),
-            saturated(module, output).sum().double() if saturated is not None else zero,
-        ]
+    return CallSummary(
+        alive=torch.count_nonzero(output, dim=batch_axis),
+        total=output.sum().double(),
+        squares=torch.linalg.vector_norm(output).double().square(),
+        saturated=saturated(module, output).sum() if saturated is not None else 0,
+        values=output.numel(),
     )
-    return {"alive": alive, "moments": moments}
 
 
-def healths(modules: dict[str, nn.Module], totals: dict[str, Tensor]) -> dict[str, dict]:
-    """Each module's statistics (see the module docstring) from its calls' ``alive`` counts
-    (concatenated) and ``moments`` (added), over the calls and the processes, for the
-    ``"alive NAME"`` / ``"moments NAME"`` entries of ``totals``: one transfer to the host for
-    all modules ([dead fraction, moments] per module, stacked)."""
-    names = [key.split(" ", 1)[1] for key in totals if key.startswith("alive ")]
-    if not names:
-        return {}
-    packed = torch.stack(
-        [
-            torch.cat([(totals[f"alive {name}"] == 0).double().mean()[None],
-                       totals[f"moments {name}"]])
-            for name in names
-        ]
-    ).tolist()  # fmt: skip
+def packed_sums(summaries: list[CallSummary], processes: int = 1) -> dict[str, Tensor]:
+    """The sums of the step's calls, in call order, as a few tensors for all of them (a few
+    operations a step, not a chain per call): ``"alive"``, the calls' ``alive`` counts
+    flattened and concatenated (int64); ``"moments"``, float64 [sum y of each call, ||y||^2
+    of each call, the saturated count of each saturating call] (``torch.stack`` into a
+    float64 buffer widens each count by itself: one above 2^24 is exact). With several
+    ``processes``, also ``"values"``, each call's number of values, to add over them (with
+    one process the host knows them)."""
+    device = summaries[0].total.device
+    counts = [s.saturated for s in summaries if isinstance(s.saturated, Tensor)]
+    moments = torch.empty(2 * len(summaries) + len(counts), dtype=torch.float64, device=device)
+    torch.stack([*(s.total for s in summaries), *(s.squares for s in summaries), *counts],
+                out=moments)  # fmt: skip
+    sums = {"alive": torch.cat([s.alive.reshape(-1) for s in summaries]), "moments": moments}
+    if processes > 1:
+        values = [float(s.values) for s in summaries]
+        sums["values"] = torch.tensor(values, dtype=torch.float64, device=device)
+    return sums
+
+
+def dead_counts(alive: Tensor, summaries: list[CallSummary]) -> Tensor:
+    """[the units of each call that are zero for every sample] from the concatenated
+    ``alive`` counts of :func:`packed_sums` (added over the processes)."""
+    units = [s.alive.numel() for s in summaries]
+    return torch.stack([dead.sum() for dead in (alive == 0).split(units)])
+
+
+def healths(
+    calls: list[tuple[str, nn.Module, CallSummary]],
+    dead: list[float],
+    moments: list[float],
+    values: list[float],
+) -> dict[str, dict]:
+    """Each module's statistics (see the module docstring), on the host, from its calls'
+    dead units ``dead`` (of :func:`dead_counts`), ``moments`` (of :func:`packed_sums`) and
+    numbers of ``values``, read as Python floats: the counts and sums of a module's calls are
+    added in call order, in float64."""
+    count = len(calls)
+    saturated = iter(moments[2 * count :])
+    totals: dict[str, list] = {}  # name -> [dead units, units, values, sum y, sum y^2, saturated]
+    for (name, _, summary), dead_units, total, squares, call_values in zip(
+        calls, dead, moments[:count], moments[count : 2 * count], values, strict=True
+    ):
+        row = totals.setdefault(name, [0, 0, 0, 0.0, 0.0, 0.0])
+        row[0] += dead_units
+        row[1] += summary.alive.numel()
+        row[2] += call_values
+        row[3] += total
+        row[4] += squares
+        if isinstance(summary.saturated, Tensor):
+            row[5] += next(saturated)
+    modules = {name: module for name, module, _ in calls}
     result = {}
-    for name, (dead, values, total, squares, saturated) in zip(names, packed, strict=True):
-        result[name] = {"dead": dead, "mean": total / values, "rms": (squares / values) ** 0.5}
+    for name, (dead_units, units, values, total, squares, saturated_values) in totals.items():
+        result[name] = {"dead": dead_units / units, "mean": total / values,
+                        "rms": (squares / values) ** 0.5}  # fmt: skip
         if saturation_of(modules[name]) is not None:
-            result[name]["saturated"] = saturated / values
+            result[name]["saturated"] = saturated_values / values
     return result
 
 
@@ -190,34 +237,41 @@ class ActivationHealth(Quantity):
     def __init__(self, schedule=None):
         super().__init__(schedule)
         self._warned = False  # about activations it cannot see, once
+        # the tracked model's module -> name, of one walk of its modules, walked again when a
+        # summarised module is not in it (and for another model)
+        self._model: nn.Module | None = None
+        self._names: dict[nn.Module, str] = {}
 
     def request(self, step: int) -> Request:
         return Request(module_outputs=(output_summary,))
 
-    def sums(self, data: StepData) -> dict[str, Tensor]:
-        names = {m: name for name, m in data.model.named_modules()}
-        alive: dict[str, list[Tensor]] = {}
-        moments: dict[str, Tensor] = {}
-        for call in data.captured.calls.get(data.model, []):
-            for visit, module, summary in call.summaries:
-                # (the capture summarises every module's forward until the model's own call
-                # returns: another model's modules are not the tracked model's)
-                name = names.get(module)
-                if visit is not output_summary or name is None:
-                    continue
-                alive.setdefault(name, []).append(summary["alive"])
-                moments[name] = moments.get(name, 0) + summary["moments"]
-        sums = {f"alive {name}": torch.cat(counts) for name, counts in alive.items()}
-        sums.update({f"moments {name}": m for name, m in moments.items()})
-        return sums
+    def calls(self, data: StepData) -> list[tuple[str, nn.Module, CallSummary]]:
+        """(name, module, summary) of each call of the tracked model's activation modules in
+        the step's forward, in call order. The capture summarises every module's forward
+        until the model's own call returns: another model's modules are not the tracked
+        model's."""
+        found = [
+            (module, summary)
+            for call in data.captured.calls.get(data.model, [])
+            for visit, module, summary in call.summaries
+            if visit is output_summary
+        ]
+        if self._model is not data.model or any(m not in self._names for m, _ in found):
+            self._model = data.model
+            self._names = {m: name for name, m in data.model.named_modules()}
+            self._warn_of_functional(data)
+        names = self._names
+        return [(names[m], m, summary) for m, summary in found if m in names]
 
-    def _warn_once(self, data: StepData, seen: bool) -> None:
-        """Once: the layers whose activation is a function (not seen); else, once, a forward
-        without any activation module."""
-        if self._warned:
-            return
+    def sums(self, data: StepData) -> dict[str, Tensor]:
+        """The calls' sums packed by :func:`packed_sums` (none without a call)."""
+        summaries = [summary for _, _, summary in self.calls(data)]
+        return packed_sums(summaries, data.parallel.world.size) if summaries else {}
+
+    def _warn_of_functional(self, data: StepData) -> None:
+        """Once: the layers whose activation is a function (not seen)."""
         functional = functional_activations(data.model)
-        if functional:
+        if functional and not self._warned:
             self._warned = True
             more = f" and {len(functional) - 4} more" if len(functional) > 4 else ""
             warnings.warn(
@@ -225,9 +279,12 @@ class ActivationHealth(Quantity):
                 f"{', '.join(map(repr, functional[:4]))}{more}: nn.TransformerEncoderLayer and "
                 "nn.TransformerDecoderLayer apply theirs as a function. Build them with "
                 "activation=nn.GELU() (or nn.ReLU()), a module, to watch it (said once).",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
-        elif not seen:
+
+    def _warn_of_none(self, data: StepData) -> None:
+        """Once: a forward without any activation module."""
+        if not self._warned:
             self._warned = True
             warnings.warn(
                 f"Step {data.step}: ActivationHealth saw no activation module in the forward "
@@ -235,10 +292,25 @@ class ActivationHealth(Quantity):
                 "nn.ReLU, nn.GELU, nn.Tanh, ..., and those of transformers.activations). An "
                 "activation applied as a function (F.relu(x)) is not a module: use the module "
                 "(nn.ReLU()) to watch it.",
-                stacklevel=3,
+                stacklevel=user_stacklevel(),
             )
 
     def compute(self, data: StepData):
         totals = data.totals[self.name]
-        self._warn_once(data, bool(totals))
-        return {data.step: healths(dict(data.model.named_modules()), totals)}
+        calls = self.calls(data)
+        if not calls:
+            self._warn_of_none(data)
+            return {data.step: {}}
+        summaries = [summary for _, _, summary in calls]
+        dead = dead_counts(totals["alive"], summaries)
+        count, moments = len(calls), totals["moments"].numel()
+        # (the numbers of values added over the processes, else this process's own)
+        added = (totals["values"],) if "values" in totals else ()
+        own = [float(s.values) for s in summaries]
+
+        def finished(floats: list[float], _) -> dict[str, dict]:
+            values = floats[count + moments :] or own
+            return healths(calls, floats[:count], floats[count : count + moments], values)
+
+        # finished on the host, from the numbers read with the step's one host transfer
+        return {data.step: Deferred((dead, totals["moments"], *added), finished)}

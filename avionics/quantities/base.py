@@ -232,9 +232,9 @@ class StepData:
         model-sized copy, not one per quantity. Nobody may modify it in place.
         """
         if self.cache.params_copy is None:
-            # (the values are detached already on every path but under autograd's watch:
-            # then a clone is one operation a parameter, not two)
-            self.cache.params_copy = [detached(p).clone() for p in self.params]
+            # (one fused clone of all of them; the values are detached already on every path
+            # but under autograd's watch)
+            self.cache.params_copy = list(torch._foreach_clone([detached(p) for p in self.params]))
         return self.cache.params_copy
 
 

@@ -258,20 +258,26 @@ class GradientNoiseScale(_NoiseScaleEstimate):
         elsewhere)."""
         keys = prefix + "signal_average", prefix + "noise_average"
         beta = self.smoothing
-        # on the device, without a host transfer: a non-finite step keeps the averages
-        finite = torch.isfinite(signal) & torch.isfinite(noise)
-        averages = {}
-        for key, estimate in zip(keys, (signal, noise)):
-            average = self._averages.get(key, torch.zeros_like(estimate)).to(estimate)
-            if average.shape != estimate.shape:
-                raise ValueError(
-                    f"GradientNoiseScale: the loaded state has averages of {average.numel()} "
-                    f"parameters, but the cockpit tracks {estimate.numel()}: load the "
-                    "state_dict of a run of this model."
-                )
-            averages[key] = torch.where(finite, beta * average + (1 - beta) * estimate, average)
-        smoothed = averages[keys[1]] / averages[keys[0]]
-        return averages, torch.where(finite, smoothed, torch.full_like(smoothed, float("nan")))
+        # on the device, without a host transfer, both averages in one pass over [2, ...]: a
+        # non-finite step keeps the averages
+        estimates = torch.stack([signal, noise])
+        finite = torch.isfinite(estimates).all(0)
+        saved = [self._averages.get(key) for key in keys]
+        if saved[0] is None:
+            previous = torch.zeros_like(estimates)
+        else:
+            for average in saved:
+                if average.shape != signal.shape:
+                    raise ValueError(
+                        f"GradientNoiseScale: the loaded state has averages of "
+                        f"{average.numel()} parameters, but the cockpit tracks {signal.numel()}: "
+                        "load the state_dict of a run of this model."
+                    )
+            previous = torch.stack(saved).to(estimates)
+        moved = torch.where(finite, beta * previous + (1 - beta) * estimates, previous)
+        signal_average, noise_average = moved
+        smoothed = torch.where(finite, noise_average / signal_average, math.nan)
+        return {keys[0]: signal_average, keys[1]: noise_average}, smoothed
 
     def state_dict(self) -> dict:
         """The moving averages m_t (none before the first step)."""

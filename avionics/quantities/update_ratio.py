@@ -22,7 +22,7 @@ and it is left out of the global ratio, whose sums run over the parameters with
 parameter has its ratio again at the steps after it has moved away from zero.
 """
 
-import torch
+import math
 
 from avionics.quantities.base import (
     StepData,
@@ -30,6 +30,7 @@ from avionics.quantities.base import (
     per_parameter_distances,
     per_parameter_norms,
 )
+from avionics.quantities.deferred import Deferred
 from avionics.quantities.outputs import PER_LAYER
 
 
@@ -38,7 +39,8 @@ class UpdateRatio(TwoStepQuantity):
     globally ||theta_{t+1} - theta_t|| / ||theta_t|| over all tracked parameters. A parameter
     with theta_t^(k) = 0 has ratio nan and is left out of the global one (see the module
     docstring). It involves no loss; under data parallelism and FSDP the norms are those of
-    the whole parameters."""
+    the whole parameters. The ratios are formed on the host, from the K distances and norms
+    read with the step's one host transfer."""
 
     output = PER_LAYER
 
@@ -46,12 +48,22 @@ class UpdateRatio(TwoStepQuantity):
         return data.params_copy()
 
     def finish(self, kept, data: StepData):
-        updates = per_parameter_distances(data.params, kept, data).double()
-        norms = per_parameter_norms(kept, data).double()
-        defined = norms > 0  # (a zero parameter has no relative update: left out)
-        nan = torch.full_like(norms, torch.nan)
-        total = (updates * defined).square().sum().sqrt() / norms.square().sum().sqrt()
-        return {
-            "global": torch.where(defined.any(), total, nan[0]),  # (on the device)
-            "per_parameter": torch.where(defined, updates / norms.where(defined, 1.0), nan),
-        }
+        updates = per_parameter_distances(data.params, kept, data)
+        norms = per_parameter_norms(kept, data)
+        count = len(kept)
+        return Deferred((updates, norms), lambda floats, _: ratios(floats[:count], floats[count:]))
+
+
+def ratios(updates: list[float], norms: list[float]) -> dict:
+    """``{"global": r, "per_parameter": [r_k]}`` from ||Delta theta^(k)|| and
+    ||theta_t^(k)|| (module docstring), in float64 on the host: r_k = nan where
+    ||theta_t^(k)|| = 0, and the global ratio's sums (correctly rounded, ``math.fsum``) over
+    the other parameters only (nan if there are none)."""
+    defined = [(u, n) for u, n in zip(updates, norms, strict=True) if n > 0]
+    total = math.nan
+    if defined:
+        total = math.sqrt(math.fsum(u * u for u, _ in defined)) / math.sqrt(
+            math.fsum(n * n for _, n in defined)
+        )
+    per_parameter = [u / n if n > 0 else math.nan for u, n in zip(updates, norms)]
+    return {"global": total, "per_parameter": per_parameter}

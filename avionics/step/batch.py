@@ -10,6 +10,7 @@ under data parallelism).
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from torch import Tensor
@@ -21,6 +22,7 @@ from avionics.step.precision import (
     detached_losses,
     unscaled,
 )
+from avionics.step.transfer import finiteness
 from avionics.step.values import Batch, Combined, Part
 
 
@@ -120,10 +122,12 @@ def read_after_backward(part: Part, raw: list, several: bool):
     present = [g for g in raw if g is not None]
     norms = None
     if not several:
-        scalars.append(torch.isfinite(part.loss).reshape(()))
+        # the loss itself and a number finite where every norm is (read as float64: finite
+        # where they are)
+        scalars.append(detached(part.loss).reshape(()))
         if present:
             norms = torch.stack(torch._foreach_norm(present))
-            scalars.append(norms.isfinite().all())
+            scalars.append(finiteness(norms))
     if not scalars:
         return 1.0, None, None, None
     device = scalars[0].device
@@ -132,7 +136,7 @@ def read_after_backward(part: Part, raw: list, several: bool):
     if several:
         return c, None, None, None
     whole = norms if len(present) == len(raw) else None
-    return c, bool(read[0]), bool(read[1]) if present else True, whole
+    return c, math.isfinite(read[0]), math.isfinite(read[1]) if present else True, whole
 
 
 def settled(batch: Batch, combined: Combined) -> Batch:

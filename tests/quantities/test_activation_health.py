@@ -16,7 +16,13 @@ from avionics import Cockpit
 from avionics.dashboard.health import activation_layers, plot_health
 from avionics.persample import Capture, Request
 from avionics.quantities import ActivationHealth, UpdateRatio
-from avionics.quantities.activation_health import ACTIVATIONS, is_activation, output_summary
+from avionics.quantities.activation_health import (
+    ACTIVATIONS,
+    CallSummary,
+    is_activation,
+    output_summary,
+    packed_sums,
+)
 from avionics.records import Run
 from avionics.records.reader import as_run
 
@@ -269,8 +275,8 @@ def test_the_capture_keeps_no_activation():
     ]
     assert all(not isinstance(c.module, ACTIVATIONS) for c in capture.calls)
     for _, module, summary in root.summaries:
-        assert summary["alive"].shape == (module_width(model, module),)
-        assert summary["moments"].shape == (4,)
+        assert summary.alive.shape == (module_width(model, module),)
+        assert summary.total.shape == summary.squares.shape == ()
     capture.release()
 
 
@@ -378,3 +384,107 @@ def test_under_ddp_the_statistics_are_the_global_batch_s(tmp_path):
         for step in (0, 1):
             assert_matches(output[step]["ActivationHealth"], expected[step])
         assert output[0]["UpdateRatio"]["global"] == pytest.approx(ratio["global"], rel=1e-12)
+
+
+class MixedDtypes(nn.Module):
+    """Activations of different widths and dtypes, one of them called twice: Linear(6, 8)
+    float64 - ReLU - Linear(8, 5) float32 - Tanh - Linear(5, 7) float32 - the same ReLU -
+    Linear(7, 4) bfloat16 - Sigmoid - Linear(4, 3) float64. Each layer's outputs are shifted
+    apart so that a mixed-up layer cannot match another's statistics."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 8).double()
+        self.relu = nn.ReLU()
+        self.b = nn.Linear(8, 5)
+        self.tanh = nn.Tanh()
+        self.c = nn.Linear(5, 7)
+        self.d = nn.Linear(7, 4).bfloat16()
+        self.sigmoid = nn.Sigmoid()
+        self.e = nn.Linear(4, 3).double()
+        with torch.no_grad():
+            self.a.bias[:2] = -50.0  # 2 of the first call's 8 ReLU units dead
+            self.b.weight.mul_(6)  # the tanh partly saturated
+            self.c.bias.fill_(-1.5)  # the second ReLU call mostly dead
+            self.d.bias.fill_(3.0)  # the sigmoid partly saturated
+
+    def forward(self, x):
+        x = self.relu(self.a(x)).float()
+        x = self.relu(self.c(self.tanh(self.b(x))))
+        return self.e(self.sigmoid(self.d(x.bfloat16())).double())
+
+
+def combined_brute_force(model, outputs):
+    """Per module, in float64: its calls' outputs [N, units_c] side by side (a call's units
+    are its own), as one output of the module docstring's statistics."""
+    names = {m: name for name, m in model.named_modules()}
+    calls: dict = {}
+    for module, y in outputs:
+        calls.setdefault(module, []).append(y.double().reshape(len(y), -1))
+    expected = {}
+    for module, ys in calls.items():
+        flat = torch.cat(ys, dim=1)
+        value = {
+            "dead": float((flat == 0).all(0).double().mean()),
+            "mean": float(flat.mean()),
+            "rms": float(flat.square().mean().sqrt()),
+        }
+        mask = saturated(module, flat)
+        if mask is not None:
+            value["saturated"] = float(mask.double().mean())
+        expected[names[module]] = value
+    return expected
+
+
+def test_the_packed_statistics_keep_layers_of_other_sizes_and_dtypes_apart():
+    """All calls are reduced together (two packed tensors a step): each module's statistics
+    are still its own calls' (a module called twice adds its calls), against the per-layer
+    definition in float64; the sums of the float32 and bfloat16 outputs are theirs as
+    rounded in their dtype (relative 1e-5, 1e-2: far below the layers' differences)."""
+    model = MixedDtypes()
+    X = 3 * torch.randn(16, 6, dtype=torch.float64)
+    y = torch.arange(16) % 3
+    cockpit = Cockpit(model, [ActivationHealth()])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(2):
+        outputs = []
+        modules = [model.relu, model.tanh, model.sigmoid]
+        handles = [
+            m.register_forward_hook(lambda m, a, o, kept=outputs: kept.append((m, o.detach())))
+            for m in modules
+        ]
+        optimizer.zero_grad()
+        losses = F.cross_entropy(model(X), y, reduction="none")
+        for handle in handles:
+            handle.remove()
+        with cockpit(step, info={"loss": losses.mean(), "individual_losses": losses}):
+            losses.mean().backward()
+        optimizer.step()
+        value = cockpit.get_output()[step]["ActivationHealth"]
+        expected = combined_brute_force(model, outputs)
+        assert list(value) == ["relu", "tanh", "sigmoid"]
+        assert value["relu"]["dead"] > 0 and 0 < value["tanh"]["saturated"] < 1
+        for name, rel in (("relu", 1e-5), ("tanh", 1e-5), ("sigmoid", 1e-2)):
+            assert value[name].keys() == expected[name].keys()
+            for key in ("dead", "saturated"):  # counts: exact
+                assert value[name].get(key) == expected[name].get(key), (name, key)
+            for key in ("mean", "rms"):
+                assert value[name][key] == pytest.approx(expected[name][key], rel=rel), name
+    cockpit.close()
+
+
+def test_packed_sums_widen_each_count_from_its_own_dtype():
+    """A saturated count above 2^24 (which float32 would round) is packed exactly beside
+    the float64 sums, in call order."""
+    double = torch.float64
+    summaries = [
+        CallSummary(torch.tensor([3, 0]), torch.tensor(1.5, dtype=double),
+                    torch.tensor(0.25, dtype=double), torch.tensor(2**40 + 1), 2**41),
+        CallSummary(torch.tensor([[0, 2]]), torch.tensor(-2.5, dtype=double),
+                    torch.tensor(9.0, dtype=double), 0, 4),
+    ]  # fmt: skip
+    sums = packed_sums(summaries)
+    assert sums["alive"].tolist() == [3, 0, 0, 2]
+    assert sums["moments"].dtype == double
+    assert sums["moments"].tolist() == [1.5, -2.5, 0.25, 9.0, 2.0**40 + 1]
