@@ -3,7 +3,10 @@
 The engine keeps the batch axes it found for a step's calls (a walk of the autograd graph
 where N equals another size) while the calls' modules and shapes repeat. Each test runs
 several steps on one engine, the batch or the model changed between them, and checks every
-step's statistics against the brute force: a value kept from an earlier step fails them.
+step's statistics against the brute force: a value kept from an earlier step fails them
+(the first test fails where the key of the kept axes leaves out the calls' shapes; the
+second guards what else a step could keep: a parameter's new value, BatchNorm's running
+statistics after a switch to train mode and back).
 """
 
 import models
@@ -69,3 +72,22 @@ def test_batch_axes_are_found_again_when_the_layout_or_the_batch_size_changes():
         model.time_major = time_major
         X, y = torch.randn(n, t, 3).double(), torch.randint(0, 3, (n,))
         engine = assert_step_exact(engine, model, X, y)
+
+
+def test_steps_after_a_parameter_is_replaced_and_a_train_eval_switch_are_exact():
+    """In train mode BatchNorm couples the samples (no per-sample gradient to compare): the
+    train step between the eval steps is run, not checked; it moves the running statistics
+    the next eval step normalises with."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Tanh(), nn.Linear(4, 3))
+    model = model.double().eval()
+    engine = None
+    for change in ("none", "replace", "train", "eval"):
+        if change == "replace":  # a new tensor behind the parameter, of another value
+            model[0].weight.data = torch.randn(4, 3).double()
+        model.train(change == "train")
+        X, y = torch.randn(5, 3).double() + 1, torch.randint(0, 3, (5,))
+        if change == "train":
+            engine, *_ = models.captured_engine_step(model, X, y, ce, engine=engine)
+        else:
+            engine = assert_step_exact(engine, model, X, y)
