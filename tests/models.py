@@ -173,12 +173,13 @@ class NanGradient(torch.autograd.Function):
         return torch.full_like(grad, float("nan"))
 
 
-def captured_engine_step(model, X, y, loss_fn, reduction="mean"):
+def captured_engine_step(model, X, y, loss_fn, reduction="mean", engine=None):
     """One forward and backward captured by the per-sample engine, as the cockpit runs them:
-    (the engine, its step, the mean gradient over the batch, the tracked parameters)."""
+    (the engine, its step, the mean gradient over the batch, the tracked parameters).
+    ``engine``: one that has run earlier steps of ``model`` (default: a new one)."""
     params = [p for p in model.parameters() if p.requires_grad]
     model.zero_grad()
-    engine = PerSampleEngine(model, params)
+    engine = PerSampleEngine(model, params) if engine is None else engine
     capture = engine.capture()
     capture.arm()
     losses = loss_fn(model(X), y)
