@@ -154,9 +154,10 @@ def columns_last_floor(above: nn.Sequential, loss_fn, Z: Tensor, y: Tensor):
         h = Z
         for module in above:
             if isinstance(module, nn.Linear):  # W broadcast by stride 0: no copy of V or W
-                W = module.weight.expand(N, *module.weight.shape)
-                W_T = module.weight.T.contiguous().expand(N, *module.weight.T.shape)
-                jacobians.append((W.bmm, W_T.bmm, lambda g, W=module.weight: g @ W))
+                weight = module.weight.detach()  # (a view made under no_grad keeps its grad)
+                W = weight.expand(N, *weight.shape)
+                W_T = weight.T.contiguous().expand(N, *weight.T.shape)
+                jacobians.append((W.bmm, W_T.bmm, weight.__rmatmul__))
                 curvatures.append(None)
             else:
                 first, second = _activation_derivatives(module, h)
