@@ -207,11 +207,32 @@ def test_errors():
 
 
 def test_the_benchmark_floor_and_curvlinops_agree_with_the_operator():
-    """benchmarks/activation_hessian.py times the three; they must compute the same product."""
+    """benchmarks/activation_hessian.py times these and its hand-written floors; they must
+    compute the same product."""
     pytest.importorskip("curvlinops")
     from benchmarks.activation_hessian import AGREEMENT_RTOL, CHECKED_CASE, check_agreement
 
     assert check_agreement(CHECKED_CASE) <= AGREEMENT_RTOL
+
+
+@pytest.mark.parametrize("activation", [nn.ReLU, nn.Tanh, nn.Sigmoid])
+@pytest.mark.parametrize("cut", [0, 1, 2, 4])
+def test_the_benchmark_columns_last_floor_against_the_autograd_hessian(activation, cut):
+    """benchmarks/activation_hessian.py's hand-written Hessian backpropagation: every column
+    of d2 L / dZ2 at each cut, the smooth activations' own sigma''(h) (d L / da) V term
+    included, against the dense float64 Hessian by double backward."""
+    from benchmarks.activation_hessian import columns_last_floor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(3, 5), activation(), nn.Linear(5, 4), activation(), nn.Linear(4, 3)
+    ).double()
+    X, y = torch.randn(4, 3, dtype=torch.float64), torch.randint(0, 3, (4,))
+    loss_fn = nn.CrossEntropyLoss()
+    Z = model[:cut](X).detach()
+    product = columns_last_floor(model[cut:], loss_fn, Z, y)
+    expected = hessian(lambda z: loss_fn(model[cut:](z.view_as(Z)), y), Z.flatten())
+    torch.testing.assert_close(product(torch.eye(Z.numel(), dtype=torch.float64)), expected)
 
 
 def _loss_cases():

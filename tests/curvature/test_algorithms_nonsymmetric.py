@@ -61,15 +61,19 @@ def xdiag_by_definition(A, Om):
     return torch.stack(estimates).mean(0)
 
 
-def test_xtrace_with_rademacher_vectors_matches_its_definition():
-    A = nonsymmetric()
-    m, seed = 6, 5
-    Om = _rademacher(A.shape[0], m, seed)
+def xtrace_estimates_by_definition(A, Om):
+    """tr(Q_(i)^T A Q_(i)) + u_i^T A u_i, u_i = (I - Q_(i) Q_(i)^T) omega_i, for each i."""
     estimates = []
     for i, Qi in enumerate(_leave_one_out_bases(A, Om)):
         u = Om[:, i] - Qi @ (Qi.T @ Om[:, i])
         estimates.append(torch.trace(Qi.T @ A @ Qi) + u @ A @ u)
-    reference = torch.stack(estimates)
+    return torch.stack(estimates)
+
+
+def test_xtrace_with_rademacher_vectors_matches_its_definition():
+    A = nonsymmetric()
+    m, seed = 6, 5
+    reference = xtrace_estimates_by_definition(A, _rademacher(A.shape[0], m, seed))
     estimate, error = xtrace(A, 2 * m, distribution="rademacher", return_error=True, seed=seed)
     torch.testing.assert_close(estimate, reference.mean())
     torch.testing.assert_close(error, reference.std() / m**0.5)
@@ -84,6 +88,20 @@ def test_xtrace_with_rademacher_vectors_is_unbiased():
     estimates = torch.stack([xtrace(A, 8, distribution="rademacher", seed=s) for s in range(400)])
     standard_error = float(estimates.std()) / 400**0.5
     assert abs(float(estimates.mean()) - exact) < 4 * standard_error
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "tied"])
+def test_xtrace_with_rademacher_vectors_of_the_hessian(name):
+    """XTrace of the Hessian operator with Rademacher vectors: its definition on the dense
+    float64 Hessian with the same vectors."""
+    model, loss_fn, data, _ = problem(name)
+    H = HessianOperator(model, loss_fn, None, data)
+    dense = dense_hessian(model, loss_fn, data)
+    m, seed = 4, 2
+    reference = xtrace_estimates_by_definition(dense, _rademacher(H.shape[0], m, seed))
+    estimate, error = xtrace(H, 2 * m, distribution="rademacher", return_error=True, seed=seed)
+    torch.testing.assert_close(estimate, reference.mean())
+    torch.testing.assert_close(error, reference.std() / m**0.5)
 
 
 def test_xdiag_of_a_nonsymmetric_matrix_matches_its_definition():

@@ -219,6 +219,58 @@ def test_ekfac_reduce_is_exact_in_its_eigenbasis():
                                torch.diag(basis.T @ ggn @ basis))  # fmt: skip
 
 
+def _reduce_factors_by_autograd(model, data, layer):
+    """KFAC-reduce's factors of one layer for the MSE loss with reduction "sum", brute
+    force: abar_n the mean over sample n's input rows (all calls), A = (1/N) sum_n abar_n
+    abar_n^T; the loss Hessian 2 I, so s_k = sqrt(2) e_k per output entry k and
+    gbar_k = sum over the layer's output rows of d f_k / dz (autograd, one entry at a time),
+    B = sum_k gbar_k gbar_k^T."""
+    inputs, outputs = [], []
+
+    def record(module, args, out):
+        inputs.append(args[0])
+        outputs.append(out)
+
+    handle = layer.register_forward_hook(record)
+    A, B, num_data = 0, 0, 0
+    for X, _ in data:
+        inputs.clear()
+        outputs.clear()
+        f = model(X).flatten()
+        N = len(X)
+        rows = [_input_rows(layer, a).view(N, -1, layer.weight[0].numel()) for a in inputs]
+        abar = torch.cat(rows, dim=1).mean(dim=1)
+        A, num_data = A + abar.T @ abar, num_data + N
+        channel = 1 if isinstance(layer, nn.Conv2d) else -1
+        for k in range(len(f)):
+            grads = torch.autograd.grad(f[k], outputs, retain_graph=True)
+            gbar = sum(g.movedim(channel, -1).reshape(-1, g.shape[channel]).sum(0) for g in grads)
+            B = B + 2 * torch.outer(gbar, gbar)
+    handle.remove()
+    return B, A / num_data
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer", "tied"])
+def test_reduce_against_its_definition_by_autograd(name):
+    """KFAC-reduce's blocks B (x) A on the four architectures: the factors by forward hooks
+    and autograd from Eschenhagen et al.'s definition; expand differs wherever the layer has
+    shared axes (the CNN's convolutions, the transformer's positions)."""
+    model, loss_fn, data, _ = problem(name, "mse", "sum")
+    options = {"fisher_type": "type-2", "separate_weight_and_bias": True}
+    K = KFACOperator(model, loss_fn, KFAC_PARAMS[name], data, kfac_approx="reduce", **options)
+    factors = {id(b.layer): _reduce_factors_by_autograd(model, data, b.layer) for b in K.blocks}
+
+    def expected_block(block):
+        B, A = factors[id(block.layer)]
+        return kronecker(B, A, block)
+
+    expected = blockwise_dense(K, expected_block)
+    torch.testing.assert_close(dense(K), expected)
+    if name in ("cnn", "transformer"):
+        expand = KFACOperator(model, loss_fn, KFAC_PARAMS[name], data, **options)
+        assert (dense(expand) - expected).abs().max() > 1e-3
+
+
 class CountingData(list):
     """A list of batches that counts the batches taken from it."""
 

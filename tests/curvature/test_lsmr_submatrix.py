@@ -72,7 +72,9 @@ def test_lsmr_solves_damped_curvature_and_jacobian_least_squares(name):
     torch.testing.assert_close(solution, ridge)
 
 
-@pytest.mark.parametrize("name", ["mlp", "tied"])
+@pytest.mark.parametrize(
+    "name", ["mlp", "cnn", pytest.param("transformer", marks=pytest.mark.slow), "tied"]
+)
 def test_lsmr_inverse_operator(name):
     """The inverse of the damped GGN as an operator, in every input format, and the ridge
     solution operator of the Jacobian with its adjoint."""
