@@ -5,12 +5,15 @@ An output's batch axis is its own, not its call's input's: a time-major model ma
 [T, N] to logits [N, C]. Output j of a call has the batch on axis a where, in every
 micro-batch i, it has N_i entries on a and micro-batch 0's sizes on every other axis. Where
 several axes qualify (micro-batches of one size N_i that equals T or C), the axis is, in this
-order: the one a walk back from the calls whose input's batch axis the engine decided finds
-on the output in micro-batch 0's autograd graph, through operations that only move axes
-(:func:`~avionics.persample.graph_axes.traced_axes`: an embedding's output read by a
-batch_first=False LSTM); that of an inner call whose output it is (a model's logits are its
-head's); else the one a re-run of the module on its first sample alone finds
-(:func:`~avionics.persample.rules.generic.output_batch_axes`, as the generic rule does).
+order: the input's batch axis for a layer of a closed-form rule (Linear, convolutions,
+Embedding, the normalisations, Hugging Face's Conv1D: each keeps its input's batch axis, and
+its rule reads the output gradient there); the one a walk back from the calls whose input's
+batch axis the engine decided finds on the output in micro-batch 0's autograd graph, through
+operations that only move axes (:func:`~avionics.persample.graph_axes.traced_axes`: an
+embedding's output read by a batch_first=False LSTM); that of an inner call whose output it
+is (a model's logits are its head's); else the one a re-run of the module on its first
+sample alone finds (:func:`~avionics.persample.rules.generic.output_batch_axes`, as the
+generic rule does).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from torch import Tensor
 from avionics.persample.calls import ModuleCall
 from avionics.persample.engine import producer_edge
 from avionics.persample.graph_axes import traced_axes
+from avionics.persample.rules import GenericRule, rule_for
 from avionics.persample.rules.generic import output_batch_axes
+from avionics.persample.rules.recurrent import RecurrentRule
 
 
 def merged_output_axes(
@@ -74,7 +79,9 @@ def _decide(calls: dict, pending: list, axes: dict, n: int) -> None:
     keys = {(id(c), j): key for c, j, key in _output_keys(calls)}
     for call, j, candidates in pending:
         key = keys.get((id(call), j))
-        axis = traced.get(key)
+        axis = call.batch_axis if _keeps_input_axis(call.module) else None
+        if axis not in candidates:
+            axis = traced.get(key)
         if axis not in candidates:
             axis = known.get(key)
         if axis not in candidates:
@@ -82,6 +89,13 @@ def _decide(calls: dict, pending: list, axes: dict, n: int) -> None:
         axes[id(call)][j] = axis
         if key is not None:
             known[key] = axis
+
+
+def _keeps_input_axis(module) -> bool:
+    """Whether ``module``'s weight and bias take a closed-form per-layer rule, whose layer
+    keeps its input's batch axis (not the generic rule, nor a recurrent one, whose final
+    states hold the batch on axis 1 whatever ``batch_first`` says)."""
+    return rule_for(module, ["weight", "bias"]) not in (GenericRule, RecurrentRule)
 
 
 def _output_keys(calls: dict):
